@@ -1,0 +1,555 @@
+//! Segment objects: many [`Record`]s in one compressed, checksummed object.
+//!
+//! ```text
+//! header   8 bytes   magic "TLSG" | version u8 (= 1) | flags u8 (= 0) | reserved u16 (= 0)
+//! body     one zstd frame (with content checksum) whose content is a sequence of
+//!          length-delimited records: varint(len) | Record protobuf (len bytes)
+//! trailer 24 bytes   record count u64 LE | body length u64 LE (uncompressed bytes)
+//!                    | crc32c u32 LE | end magic "GSLT"
+//! ```
+//!
+//! The crc32c covers every byte before it: header, compressed body, count and length.
+//! Together with the end magic and the count and length checks, every single-byte
+//! corruption and every truncation of a valid object is reported as an error.
+//!
+//! The reader streams: it holds one input buffer, the zstd window (capped by
+//! [`Limits::max_window_log`]) and at most one record (capped by
+//! [`Limits::max_record_bytes`]), whatever the size of the object. A streaming reader
+//! hands records out before it has seen the trailer, so a record is only known to be
+//! good once [`SegmentReader::next_record`] has returned `Ok(None)`; [`decode_segment`]
+//! returns nothing unless the whole object verified.
+
+use std::io::{self, Read, Write};
+
+use prost::Message;
+use zstd::stream::raw::{Decoder as RawDecoder, InBuffer, Operation, OutBuffer};
+
+use crate::Record;
+
+/// First four bytes of every segment object.
+pub const MAGIC: [u8; 4] = *b"TLSG";
+/// Last four bytes of every segment object.
+pub const END_MAGIC: [u8; 4] = *b"GSLT";
+/// The format version this crate writes, and the newest it reads.
+pub const VERSION: u8 = 1;
+/// Size of the header in bytes.
+pub const HEADER_LEN: usize = 8;
+/// Size of the trailer in bytes.
+pub const TRAILER_LEN: usize = 24;
+/// Default zstd level for segments.
+pub const DEFAULT_LEVEL: i32 = 3;
+
+/// Why a segment could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SegmentError {
+    /// The object does not start with the segment magic: it is not a segment.
+    #[error("not a tapline segment: expected magic {expected:?}, found {found:?}")]
+    WrongMagic {
+        /// The magic bytes expected.
+        expected: [u8; 4],
+        /// The bytes found.
+        found: Vec<u8>,
+    },
+    /// The object was written by a newer tapline; upgrade the reader.
+    #[error(
+        "segment format version {version} is newer than this reader supports ({supported}); upgrade tapline to read it"
+    )]
+    FutureVersion {
+        /// Version in the header.
+        version: u8,
+        /// Newest version this reader supports.
+        supported: u8,
+    },
+    /// The object ends early: an interrupted upload or a partial read.
+    #[error("segment is truncated: it ends inside the {part}")]
+    Truncated {
+        /// Which part of the object was cut.
+        part: &'static str,
+    },
+    /// The object's bytes are damaged.
+    #[error("segment is corrupted: {detail}")]
+    Corrupted {
+        /// What check failed.
+        detail: String,
+    },
+    /// The object exceeds a memory limit of the reader.
+    #[error("segment exceeds reader limit: {detail}")]
+    LimitExceeded {
+        /// Which limit, and by how much.
+        detail: String,
+    },
+    /// Reading the source or writing the sink failed.
+    #[error("segment I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl SegmentError {
+    fn corrupted(detail: impl Into<String>) -> Self {
+        SegmentError::Corrupted {
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Memory limits of a [`SegmentReader`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest single record accepted, in bytes.
+    pub max_record_bytes: usize,
+    /// Largest total decompressed body accepted, in bytes.
+    pub max_body_bytes: u64,
+    /// Largest zstd window accepted (log2 of bytes); bounds the decoder's memory.
+    pub max_window_log: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_record_bytes: 64 << 20,
+            max_body_bytes: 4 << 30,
+            max_window_log: 27,
+        }
+    }
+}
+
+/// What a finished [`SegmentWriter`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentSummary {
+    /// Number of records.
+    pub records: u64,
+    /// Uncompressed body bytes (length prefixes included).
+    pub body_bytes: u64,
+    /// Total object size in bytes, header and trailer included.
+    pub object_bytes: u64,
+    /// The trailer's crc32c.
+    pub crc32c: u32,
+}
+
+/// A `Write` that keeps a running crc32c and byte count of what passes through it.
+#[derive(Debug)]
+struct Checksummed<W> {
+    inner: W,
+    crc: u32,
+    written: u64,
+}
+
+impl<W: Write> Write for Checksummed<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
+        self.written += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Writes one segment object to a `Write`.
+pub struct SegmentWriter<W: Write> {
+    encoder: zstd::stream::write::Encoder<'static, Checksummed<W>>,
+    records: u64,
+    body_bytes: u64,
+    scratch: Vec<u8>,
+}
+
+impl<W: Write> std::fmt::Debug for SegmentWriter<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentWriter")
+            .field("records", &self.records)
+            .field("body_bytes", &self.body_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: Write> SegmentWriter<W> {
+    /// Starts a segment with the given zstd level (1..=22; [`DEFAULT_LEVEL`] is a good choice).
+    pub fn new(sink: W, level: i32) -> Result<Self, SegmentError> {
+        let mut sink = Checksummed {
+            inner: sink,
+            crc: 0,
+            written: 0,
+        };
+        sink.write_all(&header())?;
+        let mut encoder = zstd::stream::write::Encoder::new(sink, level)?;
+        encoder.include_checksum(true)?;
+        Ok(SegmentWriter {
+            encoder,
+            records: 0,
+            body_bytes: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Appends one record.
+    pub fn append(&mut self, record: &Record) -> Result<(), SegmentError> {
+        self.scratch.clear();
+        record
+            .encode_length_delimited(&mut self.scratch)
+            .map_err(|e| SegmentError::Io(io::Error::other(e)))?;
+        self.encoder.write_all(&self.scratch)?;
+        self.records += 1;
+        self.body_bytes += self.scratch.len() as u64;
+        Ok(())
+    }
+
+    /// Number of records appended so far.
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// Uncompressed body bytes appended so far.
+    pub fn body_bytes(&self) -> u64 {
+        self.body_bytes
+    }
+
+    /// Ends the zstd frame, writes the trailer, and returns the sink.
+    pub fn finish(self) -> Result<(W, SegmentSummary), SegmentError> {
+        let mut sink = self.encoder.finish()?;
+        let mut tail = [0u8; 16];
+        tail[..8].copy_from_slice(&self.records.to_le_bytes());
+        tail[8..].copy_from_slice(&self.body_bytes.to_le_bytes());
+        sink.write_all(&tail)?;
+        let crc = sink.crc;
+        let mut end = [0u8; 8];
+        end[..4].copy_from_slice(&crc.to_le_bytes());
+        end[4..].copy_from_slice(&END_MAGIC);
+        sink.inner.write_all(&end)?;
+        sink.inner.flush()?;
+        let summary = SegmentSummary {
+            records: self.records,
+            body_bytes: self.body_bytes,
+            object_bytes: sink.written + end.len() as u64,
+            crc32c: crc,
+        };
+        Ok((sink.inner, summary))
+    }
+}
+
+fn header() -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4] = VERSION;
+    h
+}
+
+/// Encodes records into one segment object in memory.
+pub fn encode_segment<'a>(
+    records: impl IntoIterator<Item = &'a Record>,
+    level: i32,
+) -> Result<(Vec<u8>, SegmentSummary), SegmentError> {
+    let mut writer = SegmentWriter::new(Vec::new(), level)?;
+    for record in records {
+        writer.append(record)?;
+    }
+    writer.finish()
+}
+
+/// Decodes a whole segment object; returns the records only if every check passed.
+pub fn decode_segment(bytes: &[u8], limits: Limits) -> Result<Vec<Record>, SegmentError> {
+    let mut reader = SegmentReader::new(bytes, limits)?;
+    let mut records = Vec::new();
+    while let Some(record) = reader.next_record()? {
+        records.push(record);
+    }
+    Ok(records)
+}
+
+const INPUT_CHUNK: usize = 64 << 10;
+const OUTPUT_CHUNK: usize = 64 << 10;
+
+/// Streams the records of one segment object out of a `Read`.
+pub struct SegmentReader<R> {
+    source: R,
+    limits: Limits,
+    decoder: RawDecoder<'static>,
+    /// Compressed bytes read from `source` and not yet consumed: `input[input_pos..]`.
+    input: Vec<u8>,
+    input_pos: usize,
+    source_eof: bool,
+    /// Decompressed bytes not yet parsed: `output[output_pos..]`.
+    output: Vec<u8>,
+    output_pos: usize,
+    frame_done: bool,
+    decoder_full: bool,
+    finished: bool,
+    crc: u32,
+    records: u64,
+    body_bytes: u64,
+}
+
+impl<R> std::fmt::Debug for SegmentReader<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentReader")
+            .field("records", &self.records)
+            .field("body_bytes", &self.body_bytes)
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: Read> SegmentReader<R> {
+    /// Reads and checks the header.
+    pub fn new(mut source: R, limits: Limits) -> Result<Self, SegmentError> {
+        let mut h = [0u8; HEADER_LEN];
+        let n = read_full(&mut source, &mut h)?;
+        if n < MAGIC.len() {
+            return Err(if n == 0 {
+                SegmentError::Truncated { part: "header (the object is empty)" }
+            } else if h[..n] != MAGIC[..n] {
+                SegmentError::WrongMagic { expected: MAGIC, found: h[..n].to_vec() }
+            } else {
+                SegmentError::Truncated { part: "header" }
+            });
+        }
+        if h[..4] != MAGIC {
+            return Err(SegmentError::WrongMagic {
+                expected: MAGIC,
+                found: h[..4].to_vec(),
+            });
+        }
+        if n < HEADER_LEN {
+            return Err(SegmentError::Truncated { part: "header" });
+        }
+        match h[4] {
+            0 => return Err(SegmentError::corrupted("header names format version 0")),
+            v if v > VERSION => {
+                return Err(SegmentError::FutureVersion {
+                    version: v,
+                    supported: VERSION,
+                });
+            }
+            _ => {}
+        }
+        if h[5..] != [0, 0, 0] {
+            return Err(SegmentError::corrupted(format!(
+                "header flags {:02x?} are not zero",
+                &h[5..]
+            )));
+        }
+        let mut decoder = RawDecoder::new()?;
+        decoder.set_parameter(zstd::stream::raw::DParameter::WindowLogMax(limits.max_window_log))?;
+        Ok(SegmentReader {
+            source,
+            limits,
+            decoder,
+            input: Vec::with_capacity(INPUT_CHUNK),
+            input_pos: 0,
+            source_eof: false,
+            output: Vec::new(),
+            output_pos: 0,
+            frame_done: false,
+            decoder_full: false,
+            finished: false,
+            crc: crc32c::crc32c(&h),
+            records: 0,
+            body_bytes: 0,
+        })
+    }
+
+    /// Number of records returned so far.
+    pub fn records_read(&self) -> u64 {
+        self.records
+    }
+
+    /// Returns the next record, `Ok(None)` once the trailer verified, or the first error.
+    /// After an error the reader returns that kind of error again, never more records.
+    pub fn next_record(&mut self) -> Result<Option<Record>, SegmentError> {
+        if self.finished {
+            return Ok(None);
+        }
+        let result = self.next_inner();
+        if !matches!(result, Ok(Some(_))) {
+            self.finished = true;
+        }
+        result
+    }
+
+    fn next_inner(&mut self) -> Result<Option<Record>, SegmentError> {
+        loop {
+            let pending = &self.output[self.output_pos..];
+            match decode_varint(pending) {
+                Varint::Invalid => return Err(SegmentError::corrupted("invalid record length prefix")),
+                Varint::Value(len, prefix) => {
+                    if len > self.limits.max_record_bytes as u64 {
+                        return Err(SegmentError::LimitExceeded {
+                            detail: format!(
+                                "record {} is {len} bytes, more than the limit of {} bytes",
+                                self.records, self.limits.max_record_bytes
+                            ),
+                        });
+                    }
+                    let end = prefix + len as usize;
+                    if pending.len() >= end {
+                        let record = Record::decode(&pending[prefix..end]).map_err(|e| {
+                            SegmentError::corrupted(format!("record {} does not decode: {e}", self.records))
+                        })?;
+                        self.output_pos += end;
+                        self.records += 1;
+                        return Ok(Some(record));
+                    }
+                }
+                Varint::Incomplete => {}
+            }
+            if self.frame_done {
+                if self.output_pos < self.output.len() {
+                    return Err(SegmentError::corrupted("body ends inside a record"));
+                }
+                self.read_trailer()?;
+                return Ok(None);
+            }
+            self.decompress_more()?;
+        }
+    }
+
+    /// Reads more compressed input when none is buffered. Returns false at end of source.
+    fn fill_input(&mut self) -> Result<bool, SegmentError> {
+        if self.input_pos < self.input.len() {
+            return Ok(true);
+        }
+        if self.source_eof {
+            return Ok(false);
+        }
+        self.input.resize(INPUT_CHUNK, 0);
+        let n = loop {
+            match self.source.read(&mut self.input) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        self.input.truncate(n);
+        self.input_pos = 0;
+        if n == 0 {
+            self.source_eof = true;
+        }
+        Ok(n > 0)
+    }
+
+    fn decompress_more(&mut self) -> Result<(), SegmentError> {
+        // Drop parsed output so the buffer holds at most one record plus one chunk.
+        if self.output_pos > 0 {
+            self.output.drain(..self.output_pos);
+            self.output_pos = 0;
+        }
+        let have_input = self.fill_input()?;
+        if !have_input && !self.decoder_full {
+            return Err(SegmentError::Truncated { part: "compressed body" });
+        }
+        let old_len = self.output.len();
+        self.output.resize(old_len + OUTPUT_CHUNK, 0);
+        let mut src = InBuffer::around(&self.input[self.input_pos..]);
+        let mut dst = OutBuffer::around(&mut self.output[old_len..]);
+        let hint = self
+            .decoder
+            .run(&mut src, &mut dst)
+            .map_err(|e| SegmentError::corrupted(format!("compressed body does not decode: {e}")))?;
+        let consumed = src.pos();
+        let produced = dst.pos();
+        self.output.truncate(old_len + produced);
+        self.crc = crc32c::crc32c_append(
+            self.crc,
+            &self.input[self.input_pos..self.input_pos + consumed],
+        );
+        self.input_pos += consumed;
+        self.body_bytes += produced as u64;
+        // A full output buffer means the decoder may hold more output for the next call.
+        self.decoder_full = produced == OUTPUT_CHUNK;
+        if self.body_bytes > self.limits.max_body_bytes {
+            return Err(SegmentError::LimitExceeded {
+                detail: format!(
+                    "decompressed body is larger than the limit of {} bytes",
+                    self.limits.max_body_bytes
+                ),
+            });
+        }
+        if hint == 0 {
+            // zstd returns 0 only once the frame is decoded and fully flushed.
+            self.frame_done = true;
+        } else if consumed == 0 && produced == 0 {
+            return Err(if have_input {
+                SegmentError::corrupted("compressed body makes no progress")
+            } else {
+                SegmentError::Truncated { part: "compressed body" }
+            });
+        }
+        Ok(())
+    }
+
+    fn read_trailer(&mut self) -> Result<(), SegmentError> {
+        let mut trailer = [0u8; TRAILER_LEN];
+        let mut have = 0;
+        while have < TRAILER_LEN {
+            if !self.fill_input()? {
+                return Err(SegmentError::Truncated { part: "trailer" });
+            }
+            let take = (TRAILER_LEN - have).min(self.input.len() - self.input_pos);
+            trailer[have..have + take].copy_from_slice(&self.input[self.input_pos..self.input_pos + take]);
+            self.input_pos += take;
+            have += take;
+        }
+        if self.fill_input()? {
+            return Err(SegmentError::corrupted("bytes follow the trailer"));
+        }
+        if trailer[20..] != END_MAGIC {
+            return Err(SegmentError::corrupted("trailer magic is wrong"));
+        }
+        let crc = crc32c::crc32c_append(self.crc, &trailer[..16]);
+        let stored_crc = u32::from_le_bytes(trailer[16..20].try_into().expect("4 bytes"));
+        if crc != stored_crc {
+            return Err(SegmentError::corrupted(format!(
+                "checksum mismatch: trailer says {stored_crc:08x}, content hashes to {crc:08x}"
+            )));
+        }
+        let count = u64::from_le_bytes(trailer[..8].try_into().expect("8 bytes"));
+        let body_len = u64::from_le_bytes(trailer[8..16].try_into().expect("8 bytes"));
+        if count != self.records {
+            return Err(SegmentError::corrupted(format!(
+                "trailer counts {count} records, body holds {}",
+                self.records
+            )));
+        }
+        if body_len != self.body_bytes {
+            return Err(SegmentError::corrupted(format!(
+                "trailer says the body is {body_len} bytes, it is {}",
+                self.body_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn read_full(source: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match source.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+enum Varint {
+    /// Value and the number of bytes it took.
+    Value(u64, usize),
+    /// More bytes are needed.
+    Incomplete,
+    /// Longer than 10 bytes: not a varint.
+    Invalid,
+}
+
+fn decode_varint(buf: &[u8]) -> Varint {
+    let mut value = 0u64;
+    for (i, &b) in buf.iter().enumerate().take(10) {
+        value |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Varint::Value(value, i + 1);
+        }
+    }
+    if buf.len() >= 10 { Varint::Invalid } else { Varint::Incomplete }
+}

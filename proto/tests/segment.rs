@@ -1,0 +1,244 @@
+//! Round-trip, corruption and truncation tests of the segment format.
+
+use proptest::prelude::*;
+use tapline_proto::segment::{
+    self, Limits, SegmentError, SegmentReader, decode_segment, encode_segment,
+};
+use tapline_proto::{
+    Api, Completion, EndStatus, EpisodeEvent, EpisodeEventKind, LlmCall, Outcome, Record,
+    RecordKind, Reward, ToolCall, Usage,
+};
+
+fn call(i: u64, body_len: usize) -> Record {
+    let body: Vec<u8> = (0..body_len).map(|j| (j as u64 * 31 + i) as u8).collect();
+    Record::new(
+        "sidecar-a",
+        i,
+        1_700_000_000_000_000_000 + i as i64,
+        RecordKind::LlmCall(LlmCall {
+            span_id: format!("span-{i}"),
+            episode_id: "ep".into(),
+            api: Api::ChatCompletions as i32,
+            outcome: Outcome::Ok as i32,
+            request_body: format!(r#"{{"messages":[{{"role":"user","content":"q{i}"}}]}}"#).into_bytes(),
+            response_body: body,
+            completions: vec![Completion {
+                text: format!("answer {i}"),
+                tool_calls: vec![ToolCall {
+                    id: "call_1".into(),
+                    r#type: "function".into(),
+                    name: "f".into(),
+                    arguments: "{\"a\": 1}".into(),
+                }],
+                token_ids: vec![1, 2, 3],
+                logprobs: vec![-0.5, -0.25, -1.0],
+                ..Default::default()
+            }],
+            usage: Some(Usage { prompt_tokens: 10, completion_tokens: 3, ..Default::default() }),
+            ..Default::default()
+        }),
+    )
+}
+
+fn sample_records() -> Vec<Record> {
+    let mut records: Vec<Record> = (1..=4).map(|i| call(i, 40)).collect();
+    records.push(Record::new(
+        "sidecar-a",
+        5,
+        7,
+        RecordKind::Reward(Reward { reward_id: "r".into(), episode_id: "ep".into(), value: 1.5, ..Default::default() }),
+    ));
+    records.push(Record::new(
+        "sidecar-a",
+        6,
+        8,
+        RecordKind::EpisodeEvent(EpisodeEvent {
+            event_id: "e".into(),
+            episode_id: "ep".into(),
+            kind: EpisodeEventKind::End as i32,
+            status: EndStatus::Succeeded as i32,
+            ..Default::default()
+        }),
+    ));
+    records
+}
+
+#[test]
+fn round_trips_and_reports_summary() {
+    let records = sample_records();
+    let (bytes, summary) = encode_segment(&records, segment::DEFAULT_LEVEL).unwrap();
+    assert_eq!(summary.records, records.len() as u64);
+    assert_eq!(summary.object_bytes, bytes.len() as u64);
+    assert_eq!(&bytes[..4], b"TLSG");
+    assert_eq!(&bytes[bytes.len() - 4..], b"GSLT");
+    assert_eq!(decode_segment(&bytes, Limits::default()).unwrap(), records);
+}
+
+#[test]
+fn an_empty_segment_round_trips() {
+    let (bytes, _) = encode_segment(&[], 3).unwrap();
+    assert!(decode_segment(&bytes, Limits::default()).unwrap().is_empty());
+}
+
+#[test]
+fn streams_bodies_much_larger_than_the_buffers() {
+    // 300 records of 50 KiB each: many output chunks, records straddling chunk borders.
+    let records: Vec<Record> = (1..=300).map(|i| call(i, 50_000)).collect();
+    let (bytes, summary) = encode_segment(&records, 1).unwrap();
+    assert!(summary.body_bytes > 10 << 20);
+    // Feed the reader one byte at a time to exercise every input boundary.
+    struct Trickle<'a>(&'a [u8]);
+    impl std::io::Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.0.len().min(buf.len()).min(7);
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    let mut reader = SegmentReader::new(Trickle(&bytes), Limits::default()).unwrap();
+    let mut n = 0;
+    while let Some(record) = reader.next_record().unwrap() {
+        assert_eq!(record, records[n]);
+        n += 1;
+    }
+    assert_eq!(n, records.len());
+}
+
+#[test]
+fn every_single_byte_corruption_is_detected() {
+    let (bytes, _) = encode_segment(&sample_records(), 3).unwrap();
+    for pos in 0..bytes.len() {
+        for flip in [0x01u8, 0x80, 0xff] {
+            let mut bad = bytes.clone();
+            bad[pos] ^= flip;
+            let result = decode_segment(&bad, Limits::default());
+            assert!(result.is_err(), "corruption at byte {pos} (xor {flip:#x}) was not detected");
+        }
+    }
+}
+
+#[test]
+fn every_truncation_is_detected_as_truncation() {
+    let (bytes, _) = encode_segment(&sample_records(), 3).unwrap();
+    for len in 0..bytes.len() {
+        match decode_segment(&bytes[..len], Limits::default()) {
+            Err(SegmentError::Truncated { .. }) => {}
+            other => panic!("truncation to {len} of {} bytes gave {other:?}", bytes.len()),
+        }
+    }
+}
+
+#[test]
+fn wrong_magic_future_version_and_trailing_bytes_are_distinct_errors() {
+    let (bytes, _) = encode_segment(&sample_records(), 3).unwrap();
+    let err = decode_segment(b"PK\x03\x04 a zip file, not a segment", Limits::default()).unwrap_err();
+    assert!(matches!(err, SegmentError::WrongMagic { .. }), "{err}");
+    assert!(err.to_string().contains("not a tapline segment"));
+
+    let mut future = bytes.clone();
+    future[4] = 9;
+    let err = decode_segment(&future, Limits::default()).unwrap_err();
+    assert!(matches!(err, SegmentError::FutureVersion { version: 9, supported: 1 }), "{err}");
+    assert!(err.to_string().contains("upgrade"));
+
+    let mut longer = bytes.clone();
+    longer.push(0);
+    let err = decode_segment(&longer, Limits::default()).unwrap_err();
+    assert!(matches!(err, SegmentError::Corrupted { .. }), "{err}");
+}
+
+#[test]
+fn limits_cap_memory() {
+    let records: Vec<Record> = (1..=3).map(|i| call(i, 10_000)).collect();
+    let (bytes, _) = encode_segment(&records, 3).unwrap();
+    let small_records = Limits { max_record_bytes: 1_000, ..Limits::default() };
+    let err = decode_segment(&bytes, small_records).unwrap_err();
+    assert!(matches!(err, SegmentError::LimitExceeded { .. }), "{err}");
+    let small_body = Limits { max_body_bytes: 15_000, ..Limits::default() };
+    let err = decode_segment(&bytes, small_body).unwrap_err();
+    assert!(matches!(err, SegmentError::LimitExceeded { .. }), "{err}");
+}
+
+#[test]
+fn a_reader_stops_after_its_first_error() {
+    let (bytes, _) = encode_segment(&sample_records(), 3).unwrap();
+    let cut = &bytes[..bytes.len() - 3];
+    let mut reader = SegmentReader::new(cut, Limits::default()).unwrap();
+    let mut result = reader.next_record();
+    while let Ok(Some(_)) = result {
+        result = reader.next_record();
+    }
+    assert!(matches!(result, Err(SegmentError::Truncated { .. })));
+    assert!(matches!(reader.next_record(), Ok(None)));
+}
+
+fn arb_record() -> impl Strategy<Value = Record> {
+    let call = (
+        "[a-z0-9-]{0,12}",
+        proptest::collection::vec(any::<u8>(), 0..300),
+        proptest::collection::vec(any::<u8>(), 0..300),
+        proptest::collection::vec(any::<u32>(), 0..20),
+        proptest::collection::vec(-50.0f64..0.0, 0..20),
+        any::<bool>(),
+        0i32..6,
+        proptest::collection::btree_map("[a-z-]{1,8}", ".{0,10}", 0..3),
+    )
+        .prop_map(|(episode, req, resp, ids, lps, streamed, outcome, tags)| {
+            RecordKind::LlmCall(LlmCall {
+                span_id: uuid_like(&req),
+                episode_id: episode,
+                request_body: req,
+                response_body: resp,
+                prompt_token_ids: ids.clone(),
+                completions: vec![Completion { token_ids: ids, logprobs: lps, ..Default::default() }],
+                streamed,
+                outcome,
+                tags,
+                ..Default::default()
+            })
+        });
+    let reward = (".{0,10}", -1e9f64..1e9, ".{0,8}").prop_map(|(ep, value, name)| {
+        RecordKind::Reward(Reward { reward_id: "r".into(), episode_id: ep, value, name, ..Default::default() })
+    });
+    let event = (any::<bool>(), 0i32..5, proptest::collection::btree_map(".{1,5}", ".{0,20}", 0..4)).prop_map(
+        |(start, status, metadata)| {
+            RecordKind::EpisodeEvent(EpisodeEvent {
+                event_id: "e".into(),
+                kind: if start { EpisodeEventKind::Start } else { EpisodeEventKind::End } as i32,
+                status,
+                metadata,
+                ..Default::default()
+            })
+        },
+    );
+    (prop_oneof![call, reward, event], any::<u64>(), any::<i64>())
+        .prop_map(|(kind, seq, t)| Record::new("s", seq, t, kind))
+}
+
+fn uuid_like(seed: &[u8]) -> String {
+    format!("{:08x}", crc32c::crc32c(seed))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn any_sequence_of_records_round_trips(records in proptest::collection::vec(arb_record(), 0..40), level in 1i32..10) {
+        let (bytes, summary) = encode_segment(&records, level).unwrap();
+        prop_assert_eq!(summary.records as usize, records.len());
+        prop_assert_eq!(decode_segment(&bytes, Limits::default()).unwrap(), records);
+    }
+
+    #[test]
+    fn corruption_anywhere_in_random_segments_is_detected(
+        records in proptest::collection::vec(arb_record(), 1..10),
+        pos_frac in 0.0f64..1.0,
+        flip in 1u8..=255,
+    ) {
+        let (mut bytes, _) = encode_segment(&records, 3).unwrap();
+        let pos = ((bytes.len() as f64) * pos_frac) as usize % bytes.len();
+        bytes[pos] ^= flip;
+        prop_assert!(decode_segment(&bytes, Limits::default()).is_err());
+    }
+}
