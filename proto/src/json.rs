@@ -17,7 +17,10 @@ pub fn record_to_json(record: &Record) -> Value {
     out.insert("id".into(), json!(record.id));
     out.insert("sidecar_id".into(), json!(record.sidecar_id));
     out.insert("sidecar_seq".into(), json!(record.sidecar_seq));
-    out.insert("written_unix_nanos".into(), json!(record.written_unix_nanos));
+    out.insert(
+        "written_unix_nanos".into(),
+        json!(record.written_unix_nanos),
+    );
     let (kind, body) = match &record.kind {
         Some(RecordKind::LlmCall(call)) => ("llm_call", llm_call(call)),
         Some(RecordKind::Reward(reward)) => ("reward", reward_json(reward)),
@@ -31,7 +34,9 @@ pub fn record_to_json(record: &Record) -> Value {
 
 /// Lower-case enum name without the type prefix: `OUTCOME_CLIENT_ABORTED` → `client_aborted`.
 fn enum_name(full: &str, prefix: &str) -> String {
-    full.strip_prefix(prefix).unwrap_or(full).to_ascii_lowercase()
+    full.strip_prefix(prefix)
+        .unwrap_or(full)
+        .to_ascii_lowercase()
 }
 
 fn insert_bytes(out: &mut Map<String, Value>, name: &str, bytes: &[u8]) {
@@ -52,14 +57,23 @@ fn llm_call(c: &LlmCall) -> Value {
     out.insert("group_id".into(), json!(c.group_id));
     out.insert("seq".into(), json!(c.seq));
     out.insert("sidecar_id".into(), json!(c.sidecar_id));
-    out.insert("api".into(), json!(enum_name(c.api().as_str_name(), "API_")));
+    out.insert(
+        "api".into(),
+        json!(enum_name(c.api().as_str_name(), "API_")),
+    );
     out.insert("method".into(), json!(c.method));
     out.insert("path".into(), json!(c.path));
     out.insert("start_unix_nanos".into(), json!(c.start_unix_nanos));
-    out.insert("first_byte_unix_nanos".into(), json!(c.first_byte_unix_nanos));
+    out.insert(
+        "first_byte_unix_nanos".into(),
+        json!(c.first_byte_unix_nanos),
+    );
     out.insert("end_unix_nanos".into(), json!(c.end_unix_nanos));
     out.insert("http_status".into(), json!(c.http_status));
-    out.insert("outcome".into(), json!(enum_name(c.outcome().as_str_name(), "OUTCOME_")));
+    out.insert(
+        "outcome".into(),
+        json!(enum_name(c.outcome().as_str_name(), "OUTCOME_")),
+    );
     out.insert("streamed".into(), json!(c.streamed));
     insert_bytes(&mut out, "request_body", &c.request_body);
     insert_bytes(&mut out, "response_body", &c.response_body);

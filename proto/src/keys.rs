@@ -73,7 +73,11 @@ pub struct SegmentKey {
 
 impl SegmentKey {
     /// The key of a segment whose first record was written at `first_record_unix_nanos`.
-    pub fn new(sidecar_id: &str, first_seq: u64, first_record_unix_nanos: i64) -> Result<Self, KeyError> {
+    pub fn new(
+        sidecar_id: &str,
+        first_seq: u64,
+        first_record_unix_nanos: i64,
+    ) -> Result<Self, KeyError> {
         validate_sidecar_id(sidecar_id)?;
         let secs = first_record_unix_nanos.div_euclid(1_000_000_000);
         Ok(SegmentKey {
@@ -121,9 +125,18 @@ impl SegmentKey {
                 return Err(err("date components must be zero-padded numbers"));
             }
             let v: i64 = s.parse().map_err(|_| err("bad number"))?;
-            if v > max { Err(err("date component out of range")) } else { Ok(v) }
+            if v > max {
+                Err(err("date component out of range"))
+            } else {
+                Ok(v)
+            }
         };
-        let (y, m, d, h) = (num(y, 4, 9999)?, num(m, 2, 12)?, num(d, 2, 31)?, num(h, 2, 23)?);
+        let (y, m, d, h) = (
+            num(y, 4, 9999)?,
+            num(m, 2, 12)?,
+            num(d, 2, 31)?,
+            num(h, 2, 23)?,
+        );
         if m == 0 || d == 0 {
             return Err(err("date component out of range"));
         }
@@ -133,7 +146,8 @@ impl SegmentKey {
         if seq.len() != 16 {
             return Err(err("sequence number must be 16 hex digits"));
         }
-        let first_seq = u64::from_str_radix(seq, 16).map_err(|_| err("sequence number must be hex"))?;
+        let first_seq =
+            u64::from_str_radix(seq, 16).map_err(|_| err("sequence number must be hex"))?;
         validate_sidecar_id(sidecar).map_err(|_| err("invalid sidecar id"))?;
         let key = SegmentKey {
             hour_unix_secs: days_from_civil(y, m, d) * 86_400 + h * 3600,
@@ -192,15 +206,24 @@ mod tests {
             path.as_ref(),
             "runs/a/segments/v1/2026/12/02/09/harness-7/000000000000002a.tlseg"
         );
-        assert_eq!(SegmentKey::parse(&Path::from("runs/a"), &path).unwrap(), key);
+        assert_eq!(
+            SegmentKey::parse(&Path::from("runs/a"), &path).unwrap(),
+            key
+        );
     }
 
     #[test]
     fn keys_sort_by_time_then_sidecar_then_seq() {
         let prefix = Path::from("p");
-        let a = SegmentKey::new("b", 9, 1_000_000_000_000_000_000).unwrap().to_path(&prefix);
-        let b = SegmentKey::new("a", 1, 1_000_003_600_000_000_000).unwrap().to_path(&prefix);
-        let c = SegmentKey::new("a", 2, 1_000_003_600_000_000_000).unwrap().to_path(&prefix);
+        let a = SegmentKey::new("b", 9, 1_000_000_000_000_000_000)
+            .unwrap()
+            .to_path(&prefix);
+        let b = SegmentKey::new("a", 1, 1_000_003_600_000_000_000)
+            .unwrap()
+            .to_path(&prefix);
+        let c = SegmentKey::new("a", 2, 1_000_003_600_000_000_000)
+            .unwrap()
+            .to_path(&prefix);
         assert!(a.as_ref() < b.as_ref() && b.as_ref() < c.as_ref());
     }
 
@@ -230,7 +253,10 @@ mod tests {
             "p/segments/v1/2026/12/02/24/s/000000000000002a.tlseg",
             "p/segments/v1/2026/12/02/09/s/000000000000002a.json",
         ] {
-            assert!(SegmentKey::parse(&prefix, &Path::from(bad)).is_err(), "{bad}");
+            assert!(
+                SegmentKey::parse(&prefix, &Path::from(bad)).is_err(),
+                "{bad}"
+            );
         }
     }
 }

@@ -23,13 +23,18 @@ pub mod v1 {
 }
 
 pub use v1::{
-    Api, Completion, EndStatus, EpisodeEvent, EpisodeEventKind, LlmCall, Outcome, Record,
-    Reward, ToolCall, Usage, record::Kind as RecordKind,
+    Api, Completion, EndStatus, EpisodeEvent, EpisodeEventKind, LlmCall, Outcome, Record, Reward,
+    ToolCall, Usage, record::Kind as RecordKind,
 };
 
 impl Record {
     /// Wraps a payload in an envelope whose `id` is the payload's own id.
-    pub fn new(sidecar_id: &str, sidecar_seq: u64, written_unix_nanos: i64, kind: RecordKind) -> Self {
+    pub fn new(
+        sidecar_id: &str,
+        sidecar_seq: u64,
+        written_unix_nanos: i64,
+        kind: RecordKind,
+    ) -> Self {
         let id = match &kind {
             RecordKind::LlmCall(call) => call.span_id.clone(),
             RecordKind::Reward(reward) => reward.reward_id.clone(),

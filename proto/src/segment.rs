@@ -297,9 +297,14 @@ impl<R: Read> SegmentReader<R> {
         let n = read_full(&mut source, &mut h)?;
         if n < MAGIC.len() {
             return Err(if n == 0 {
-                SegmentError::Truncated { part: "header (the object is empty)" }
+                SegmentError::Truncated {
+                    part: "header (the object is empty)",
+                }
             } else if h[..n] != MAGIC[..n] {
-                SegmentError::WrongMagic { expected: MAGIC, found: h[..n].to_vec() }
+                SegmentError::WrongMagic {
+                    expected: MAGIC,
+                    found: h[..n].to_vec(),
+                }
             } else {
                 SegmentError::Truncated { part: "header" }
             });
@@ -330,7 +335,9 @@ impl<R: Read> SegmentReader<R> {
             )));
         }
         let mut decoder = RawDecoder::new()?;
-        decoder.set_parameter(zstd::stream::raw::DParameter::WindowLogMax(limits.max_window_log))?;
+        decoder.set_parameter(zstd::stream::raw::DParameter::WindowLogMax(
+            limits.max_window_log,
+        ))?;
         Ok(SegmentReader {
             source,
             limits,
@@ -371,7 +378,9 @@ impl<R: Read> SegmentReader<R> {
         loop {
             let pending = &self.output[self.output_pos..];
             match decode_varint(pending) {
-                Varint::Invalid => return Err(SegmentError::corrupted("invalid record length prefix")),
+                Varint::Invalid => {
+                    return Err(SegmentError::corrupted("invalid record length prefix"));
+                }
                 Varint::Value(len, prefix) => {
                     if len > self.limits.max_record_bytes as u64 {
                         return Err(SegmentError::LimitExceeded {
@@ -384,7 +393,10 @@ impl<R: Read> SegmentReader<R> {
                     let end = prefix + len as usize;
                     if pending.len() >= end {
                         let record = Record::decode(&pending[prefix..end]).map_err(|e| {
-                            SegmentError::corrupted(format!("record {} does not decode: {e}", self.records))
+                            SegmentError::corrupted(format!(
+                                "record {} does not decode: {e}",
+                                self.records
+                            ))
                         })?;
                         self.output_pos += end;
                         self.records += 1;
@@ -436,16 +448,17 @@ impl<R: Read> SegmentReader<R> {
         }
         let have_input = self.fill_input()?;
         if !have_input && !self.decoder_full {
-            return Err(SegmentError::Truncated { part: "compressed body" });
+            return Err(SegmentError::Truncated {
+                part: "compressed body",
+            });
         }
         let old_len = self.output.len();
         self.output.resize(old_len + OUTPUT_CHUNK, 0);
         let mut src = InBuffer::around(&self.input[self.input_pos..]);
         let mut dst = OutBuffer::around(&mut self.output[old_len..]);
-        let hint = self
-            .decoder
-            .run(&mut src, &mut dst)
-            .map_err(|e| SegmentError::corrupted(format!("compressed body does not decode: {e}")))?;
+        let hint = self.decoder.run(&mut src, &mut dst).map_err(|e| {
+            SegmentError::corrupted(format!("compressed body does not decode: {e}"))
+        })?;
         let consumed = src.pos();
         let produced = dst.pos();
         self.output.truncate(old_len + produced);
@@ -472,7 +485,9 @@ impl<R: Read> SegmentReader<R> {
             return Err(if have_input {
                 SegmentError::corrupted("compressed body makes no progress")
             } else {
-                SegmentError::Truncated { part: "compressed body" }
+                SegmentError::Truncated {
+                    part: "compressed body",
+                }
             });
         }
         Ok(())
@@ -486,7 +501,8 @@ impl<R: Read> SegmentReader<R> {
                 return Err(SegmentError::Truncated { part: "trailer" });
             }
             let take = (TRAILER_LEN - have).min(self.input.len() - self.input_pos);
-            trailer[have..have + take].copy_from_slice(&self.input[self.input_pos..self.input_pos + take]);
+            trailer[have..have + take]
+                .copy_from_slice(&self.input[self.input_pos..self.input_pos + take]);
             self.input_pos += take;
             have += take;
         }
@@ -551,5 +567,9 @@ fn decode_varint(buf: &[u8]) -> Varint {
             return Varint::Value(value, i + 1);
         }
     }
-    if buf.len() >= 10 { Varint::Invalid } else { Varint::Incomplete }
+    if buf.len() >= 10 {
+        Varint::Invalid
+    } else {
+        Varint::Incomplete
+    }
 }

@@ -70,7 +70,9 @@ pub enum StoreUrlError {
         scheme: String,
     },
     /// The URL names no bucket or container.
-    #[error("store URL {url:?} names no bucket or container: write {scheme}://NAME/optional/prefix")]
+    #[error(
+        "store URL {url:?} names no bucket or container: write {scheme}://NAME/optional/prefix"
+    )]
     MissingBucket {
         /// The URL given.
         url: String,
@@ -123,7 +125,11 @@ pub fn open_store(url: &str) -> Result<StoreLocation, StoreUrlError> {
         source,
     })?;
     let scheme = parsed.scheme().to_owned();
-    let mut display = format!("{scheme}://{}{}", parsed.host_str().unwrap_or(""), parsed.path());
+    let mut display = format!(
+        "{scheme}://{}{}",
+        parsed.host_str().unwrap_or(""),
+        parsed.path()
+    );
     if scheme == "file" {
         let dir = parsed
             .to_file_path()
@@ -258,7 +264,17 @@ mod tests {
             .await
             .unwrap();
         let b = open_store("memory://shared-test").unwrap();
-        assert_eq!(b.store.get(&Path::from("k")).await.unwrap().bytes().await.unwrap().as_ref(), b"v");
+        assert_eq!(
+            b.store
+                .get(&Path::from("k"))
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap()
+                .as_ref(),
+            b"v"
+        );
         let other = open_store("memory://other-test").unwrap();
         assert!(other.store.get(&Path::from("k")).await.is_err());
     }
@@ -291,7 +307,10 @@ mod tests {
     #[test]
     fn errors_name_the_problem() {
         let err = open_store("ftp://host/x").unwrap_err();
-        assert!(matches!(err, StoreUrlError::UnsupportedScheme { .. }), "{err}");
+        assert!(
+            matches!(err, StoreUrlError::UnsupportedScheme { .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("s3://"), "{err}");
         let err = open_store("s3:///prefix").unwrap_err();
         assert!(matches!(err, StoreUrlError::MissingBucket { .. }), "{err}");

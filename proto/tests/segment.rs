@@ -20,7 +20,8 @@ fn call(i: u64, body_len: usize) -> Record {
             episode_id: "ep".into(),
             api: Api::ChatCompletions as i32,
             outcome: Outcome::Ok as i32,
-            request_body: format!(r#"{{"messages":[{{"role":"user","content":"q{i}"}}]}}"#).into_bytes(),
+            request_body: format!(r#"{{"messages":[{{"role":"user","content":"q{i}"}}]}}"#)
+                .into_bytes(),
             response_body: body,
             completions: vec![Completion {
                 text: format!("answer {i}"),
@@ -34,7 +35,11 @@ fn call(i: u64, body_len: usize) -> Record {
                 logprobs: vec![-0.5, -0.25, -1.0],
                 ..Default::default()
             }],
-            usage: Some(Usage { prompt_tokens: 10, completion_tokens: 3, ..Default::default() }),
+            usage: Some(Usage {
+                prompt_tokens: 10,
+                completion_tokens: 3,
+                ..Default::default()
+            }),
             ..Default::default()
         }),
     )
@@ -46,7 +51,12 @@ fn sample_records() -> Vec<Record> {
         "sidecar-a",
         5,
         7,
-        RecordKind::Reward(Reward { reward_id: "r".into(), episode_id: "ep".into(), value: 1.5, ..Default::default() }),
+        RecordKind::Reward(Reward {
+            reward_id: "r".into(),
+            episode_id: "ep".into(),
+            value: 1.5,
+            ..Default::default()
+        }),
     ));
     records.push(Record::new(
         "sidecar-a",
@@ -77,7 +87,11 @@ fn round_trips_and_reports_summary() {
 #[test]
 fn an_empty_segment_round_trips() {
     let (bytes, _) = encode_segment(&[], 3).unwrap();
-    assert!(decode_segment(&bytes, Limits::default()).unwrap().is_empty());
+    assert!(
+        decode_segment(&bytes, Limits::default())
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[test]
@@ -113,7 +127,10 @@ fn every_single_byte_corruption_is_detected() {
             let mut bad = bytes.clone();
             bad[pos] ^= flip;
             let result = decode_segment(&bad, Limits::default());
-            assert!(result.is_err(), "corruption at byte {pos} (xor {flip:#x}) was not detected");
+            assert!(
+                result.is_err(),
+                "corruption at byte {pos} (xor {flip:#x}) was not detected"
+            );
         }
     }
 }
@@ -124,7 +141,10 @@ fn every_truncation_is_detected_as_truncation() {
     for len in 0..bytes.len() {
         match decode_segment(&bytes[..len], Limits::default()) {
             Err(SegmentError::Truncated { .. }) => {}
-            other => panic!("truncation to {len} of {} bytes gave {other:?}", bytes.len()),
+            other => panic!(
+                "truncation to {len} of {} bytes gave {other:?}",
+                bytes.len()
+            ),
         }
     }
 }
@@ -132,14 +152,24 @@ fn every_truncation_is_detected_as_truncation() {
 #[test]
 fn wrong_magic_future_version_and_trailing_bytes_are_distinct_errors() {
     let (bytes, _) = encode_segment(&sample_records(), 3).unwrap();
-    let err = decode_segment(b"PK\x03\x04 a zip file, not a segment", Limits::default()).unwrap_err();
+    let err =
+        decode_segment(b"PK\x03\x04 a zip file, not a segment", Limits::default()).unwrap_err();
     assert!(matches!(err, SegmentError::WrongMagic { .. }), "{err}");
     assert!(err.to_string().contains("not a tapline segment"));
 
     let mut future = bytes.clone();
     future[4] = 9;
     let err = decode_segment(&future, Limits::default()).unwrap_err();
-    assert!(matches!(err, SegmentError::FutureVersion { version: 9, supported: 1 }), "{err}");
+    assert!(
+        matches!(
+            err,
+            SegmentError::FutureVersion {
+                version: 9,
+                supported: 1
+            }
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("upgrade"));
 
     let mut longer = bytes.clone();
@@ -152,10 +182,16 @@ fn wrong_magic_future_version_and_trailing_bytes_are_distinct_errors() {
 fn limits_cap_memory() {
     let records: Vec<Record> = (1..=3).map(|i| call(i, 10_000)).collect();
     let (bytes, _) = encode_segment(&records, 3).unwrap();
-    let small_records = Limits { max_record_bytes: 1_000, ..Limits::default() };
+    let small_records = Limits {
+        max_record_bytes: 1_000,
+        ..Limits::default()
+    };
     let err = decode_segment(&bytes, small_records).unwrap_err();
     assert!(matches!(err, SegmentError::LimitExceeded { .. }), "{err}");
-    let small_body = Limits { max_body_bytes: 15_000, ..Limits::default() };
+    let small_body = Limits {
+        max_body_bytes: 15_000,
+        ..Limits::default()
+    };
     let err = decode_segment(&bytes, small_body).unwrap_err();
     assert!(matches!(err, SegmentError::LimitExceeded { .. }), "{err}");
 }
@@ -191,7 +227,11 @@ fn arb_record() -> impl Strategy<Value = Record> {
                 request_body: req,
                 response_body: resp,
                 prompt_token_ids: ids.clone(),
-                completions: vec![Completion { token_ids: ids, logprobs: lps, ..Default::default() }],
+                completions: vec![Completion {
+                    token_ids: ids,
+                    logprobs: lps,
+                    ..Default::default()
+                }],
                 streamed,
                 outcome,
                 tags,
@@ -199,19 +239,32 @@ fn arb_record() -> impl Strategy<Value = Record> {
             })
         });
     let reward = (".{0,10}", -1e9f64..1e9, ".{0,8}").prop_map(|(ep, value, name)| {
-        RecordKind::Reward(Reward { reward_id: "r".into(), episode_id: ep, value, name, ..Default::default() })
+        RecordKind::Reward(Reward {
+            reward_id: "r".into(),
+            episode_id: ep,
+            value,
+            name,
+            ..Default::default()
+        })
     });
-    let event = (any::<bool>(), 0i32..5, proptest::collection::btree_map(".{1,5}", ".{0,20}", 0..4)).prop_map(
-        |(start, status, metadata)| {
+    let event = (
+        any::<bool>(),
+        0i32..5,
+        proptest::collection::btree_map(".{1,5}", ".{0,20}", 0..4),
+    )
+        .prop_map(|(start, status, metadata)| {
             RecordKind::EpisodeEvent(EpisodeEvent {
                 event_id: "e".into(),
-                kind: if start { EpisodeEventKind::Start } else { EpisodeEventKind::End } as i32,
+                kind: if start {
+                    EpisodeEventKind::Start
+                } else {
+                    EpisodeEventKind::End
+                } as i32,
                 status,
                 metadata,
                 ..Default::default()
             })
-        },
-    );
+        });
     (prop_oneof![call, reward, event], any::<u64>(), any::<i64>())
         .prop_map(|(kind, seq, t)| Record::new("s", seq, t, kind))
 }

