@@ -1,6 +1,24 @@
 //! The tapline sidecar: runs beside one agent harness, proxies its LLM traffic, records
 //! every call, and ships the records to object storage.
 //!
+//! - [`config`]: flags, environment and TOML file, validated once.
+//! - [`server`]: the listener, routing and the start/stop life cycle ([`server::Sidecar`]).
+//! - [`proxy`]: forwarding and capture of LLM calls.
+//! - [`control`]: the control API under `/tapline/v1/` used by the SDKs.
+//! - [`episodes`]: episode registry and call attribution.
+//! - [`sse`]: incremental server-sent-event framing.
+//! - [`rebuild`]: completions, usage and token ids rebuilt from a response body or stream.
+//! - [`sink`]: the [`sink::RecordSink`] interface and the segment uploader behind it.
+//! - [`metrics`]: Prometheus counters.
 //! - [`dump`]: prints every record of a store as JSON lines (`tapline-sidecar dump`).
 
+pub mod config;
+pub mod control;
 pub mod dump;
+pub mod episodes;
+pub mod metrics;
+pub mod proxy;
+pub mod rebuild;
+pub mod server;
+pub mod sink;
+pub mod sse;

@@ -1,20 +1,46 @@
 //! `tapline-sidecar`: see `tapline-sidecar --help`.
 
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use tapline_sidecar::config::RawConfig;
+use tapline_sidecar::server::Sidecar;
 
 #[derive(Debug, Parser)]
 #[command(
     name = "tapline-sidecar",
     version,
-    about = "Records an agent harness's LLM traffic for RL training."
+    about = "Records an agent harness's LLM traffic for RL training.",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// TOML file with settings (keys are the flag names); flags and TAPLINE_* win over it.
+    #[arg(long, env = "TAPLINE_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(flatten)]
+    raw: RawConfig,
+    /// Seconds to let open responses finish on SIGTERM/SIGINT.
+    #[arg(long, env = "TAPLINE_DRAIN_SECS", default_value_t = 30.0)]
+    drain_secs: f64,
+    /// Seconds to keep uploading queued records on SIGTERM/SIGINT.
+    #[arg(long, env = "TAPLINE_FLUSH_SECS", default_value_t = 30.0)]
+    flush_secs: f64,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Proxy LLM traffic and record it (the default command).
+    Serve(ServeArgs),
     /// Print every record in a store as one JSON object per line.
     Dump {
         /// Store URL: file:///dir, s3://bucket/prefix, gs://, az://, memory://, or a directory.
@@ -27,20 +53,93 @@ enum Command {
     },
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Dump { store, prefix } => {
-            let location = tapline_proto::store::open_store(&store)?;
-            let mut out = std::io::BufWriter::new(std::io::stdout());
-            let summary =
-                tapline_sidecar::dump::dump(&location, prefix.as_deref(), &mut out).await?;
-            eprintln!(
-                "dump: {} records from {} segments",
-                summary.records, summary.segments
-            );
+        Some(Command::Dump { store, prefix }) => {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let location = tapline_proto::store::open_store(&store)?;
+                let mut out = std::io::BufWriter::new(std::io::stdout());
+                let summary =
+                    tapline_sidecar::dump::dump(&location, prefix.as_deref(), &mut out).await?;
+                eprintln!(
+                    "dump: {} records from {} segments",
+                    summary.records, summary.segments
+                );
+                Ok(())
+            })
+        }
+        Some(Command::Serve(args)) => serve(args),
+        None => serve(cli.serve),
+    }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let file = match &args.config {
+        Some(path) => RawConfig::from_toml_file(path)?,
+        None => RawConfig::default(),
+    };
+    let config = args.raw.or(file).validate()?;
+    let secs = |name: &str, v: f64| {
+        if v.is_finite() && v >= 0.0 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(anyhow::anyhow!(
+                "invalid setting `{name}`: {v} is not a number of seconds"
+            ))
+        }
+    };
+    let drain = secs("drain-secs", args.drain_secs)?;
+    let flush = secs("flush-secs", args.flush_secs)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let sidecar = Sidecar::start(config)
+            .await
+            .context("cannot start the sidecar")?;
+        tracing::info!("{}", sidecar.describe());
+        shutdown_signal().await;
+        tracing::info!(
+            ?drain,
+            ?flush,
+            "shutting down: draining open responses, then flushing records"
+        );
+        sidecar.shutdown(drain, flush).await;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
         }
     }
-    Ok(())
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
 }

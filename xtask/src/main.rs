@@ -43,8 +43,9 @@ fn repo_root() -> PathBuf {
 }
 
 /// `cargo xtask test [-- extra cargo test args]`.
-fn test(_root: &Path, extra: &[String]) -> anyhow::Result<()> {
+fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
+    let python = step("python test environment", || ensure_venv(root))?;
     step("cargo fmt --check", || {
         run(Command::new("cargo").args(["fmt", "--all", "--check"]))
     })?;
@@ -87,12 +88,12 @@ Once the sidecar, SDK, trainer and policy server exist, `cargo xtask demo` will:
     Ok(())
 }
 
-fn step(name: &str, f: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+fn step<T>(name: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     eprintln!("xtask: == {name}");
     let started = Instant::now();
-    f().with_context(|| format!("step `{name}` failed"))?;
+    let value = f().with_context(|| format!("step `{name}` failed"))?;
     eprintln!("xtask: == {name}: ok in {:.1?}", started.elapsed());
-    Ok(())
+    Ok(value)
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<()> {

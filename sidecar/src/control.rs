@@ -1,0 +1,418 @@
+//! The control API under `/tapline/v1/`, used by the SDKs: create an episode (optionally
+//! bound to this sidecar), add a reward, end an episode, health. Each write becomes a
+//! record. Errors are 4xx with `{"error": {"message", "code"}}`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tapline_proto::{EndStatus, EpisodeEvent, EpisodeEventKind, RecordKind, Reward};
+
+use crate::episodes::{EpisodeInfo, valid_episode_id};
+use crate::proxy::{RespBody, full_body};
+use crate::server::AppState;
+use crate::sink::now_nanos;
+
+/// Largest control request body accepted.
+const MAX_BODY: usize = 1 << 20;
+
+fn reply(status: StatusCode, body: Value) -> Response<RespBody> {
+    let mut resp = Response::new(full_body(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// A refused control request.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+fn err(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    ApiError {
+        status,
+        code,
+        message: message.into(),
+    }
+}
+
+/// Handles a request whose path starts with `/tapline/`.
+pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBody> {
+    state
+        .metrics
+        .control_requests
+        .fetch_add(1, Ordering::Relaxed);
+    match route(&state, req).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            state.metrics.control_errors.fetch_add(1, Ordering::Relaxed);
+            reply(
+                e.status,
+                json!({"error": {"message": e.message, "code": e.code}}),
+            )
+        }
+    }
+}
+
+async fn route(
+    state: &Arc<AppState>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, ApiError> {
+    let path = req.uri().path().trim_end_matches('/').to_owned();
+    let Some(rest) = path.strip_prefix("/tapline/v1") else {
+        return Err(err(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no control endpoint {path}; the API lives under /tapline/v1/"),
+        ));
+    };
+    let parts: Vec<&str> = rest.split('/').filter(|p| !p.is_empty()).collect();
+    let method = req.method().clone();
+    if parts.as_slice() != ["health"] {
+        authorize(state, &req)?;
+    }
+    match (method, parts.as_slice()) {
+        (Method::GET, ["health"]) => Ok(health(state)),
+        (Method::POST, ["episodes"]) => {
+            let host = req
+                .headers()
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+                .unwrap_or_else(|| state.config.listen.to_string());
+            create_episode(state, &host, read_json(req).await?)
+        }
+        (Method::POST, ["episodes", id, "rewards"]) => {
+            let id = episode_id(id)?;
+            add_reward(state, &id, read_json(req).await?)
+        }
+        (Method::POST, ["episodes", id, "end"]) => {
+            let id = episode_id(id)?;
+            end_episode(state, &id, read_json(req).await?)
+        }
+        (_, ["health"] | ["episodes"] | ["episodes", _, "rewards" | "end"]) => Err(err(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("{} is not allowed on {path}", req.method()),
+        )),
+        _ => Err(err(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no control endpoint {path}"),
+        )),
+    }
+}
+
+fn authorize(state: &AppState, req: &Request<Incoming>) -> Result<(), ApiError> {
+    let Some(token) = &state.config.control_token else {
+        return Ok(());
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Constant-time comparison, so the token cannot be guessed byte by byte.
+    let same = given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(err(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong control token: send `Authorization: Bearer <token>` with the sidecar's --control-token",
+        ))
+    }
+}
+
+fn episode_id(id: &str) -> Result<String, ApiError> {
+    if valid_episode_id(id) {
+        Ok(id.to_owned())
+    } else {
+        Err(err(
+            StatusCode::BAD_REQUEST,
+            "invalid_episode_id",
+            format!("{id:?} is not an episode id"),
+        ))
+    }
+}
+
+async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
+    let body: Bytes = Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                err(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "too_large",
+                    format!("request body is over {MAX_BODY} bytes"),
+                )
+            } else {
+                err(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    format!("cannot read request body: {e}"),
+                )
+            }
+        })?
+        .to_bytes();
+    let body: &[u8] = if body.is_empty() { b"{}" } else { &body };
+    serde_json::from_slice(body).map_err(|e| {
+        err(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("invalid request body: {e}"),
+        )
+    })
+}
+
+fn submit(state: &AppState, kind: RecordKind) -> Result<(), ApiError> {
+    state.sink.submit(kind).map_err(|_| {
+        err(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "record_dropped",
+            "the sidecar could not queue the record (queue full or shutting down); retry later",
+        )
+    })
+}
+
+/// Metadata values are kept as text: strings as they are, anything else as JSON text.
+fn metadata_map(metadata: BTreeMap<String, Value>) -> BTreeMap<String, String> {
+    metadata
+        .into_iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => (k, s),
+            other => (k, other.to_string()),
+        })
+        .collect()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateEpisode {
+    task_id: String,
+    #[serde(default)]
+    group_id: String,
+    #[serde(default)]
+    episode_id: Option<String>,
+    #[serde(default)]
+    metadata: BTreeMap<String, Value>,
+    #[serde(default)]
+    bind: bool,
+}
+
+fn create_episode(
+    state: &AppState,
+    host: &str,
+    req: CreateEpisode,
+) -> Result<Response<RespBody>, ApiError> {
+    if req.task_id.trim().is_empty() {
+        return Err(err(
+            StatusCode::BAD_REQUEST,
+            "missing_task_id",
+            "task_id must be a non-empty string",
+        ));
+    }
+    let episode_id = match req.episode_id {
+        Some(id) => {
+            let id = episode_id(&id)?;
+            if state.episodes.get(&id).is_some() {
+                return Err(err(
+                    StatusCode::CONFLICT,
+                    "episode_exists",
+                    format!("episode {id} is already open"),
+                ));
+            }
+            id
+        }
+        None => uuid::Uuid::now_v7().to_string(),
+    };
+    submit(
+        state,
+        RecordKind::EpisodeEvent(EpisodeEvent {
+            event_id: uuid::Uuid::now_v7().to_string(),
+            episode_id: episode_id.clone(),
+            kind: EpisodeEventKind::Start as i32,
+            task_id: req.task_id.clone(),
+            group_id: req.group_id.clone(),
+            metadata: metadata_map(req.metadata),
+            time_unix_nanos: now_nanos(),
+            bound: req.bind,
+            ..Default::default()
+        }),
+    )?;
+    state.episodes.create(
+        &episode_id,
+        EpisodeInfo {
+            task_id: req.task_id.clone(),
+            group_id: req.group_id.clone(),
+            ..Default::default()
+        },
+        req.bind,
+    );
+    Ok(reply(
+        StatusCode::CREATED,
+        json!({
+            "episode_id": episode_id,
+            "task_id": req.task_id,
+            "group_id": req.group_id,
+            "bound": req.bind,
+            "base_url": format!("http://{host}/e/{episode_id}/v1"),
+        }),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddReward {
+    value: Option<Value>,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    span_id: String,
+    #[serde(default)]
+    tags: BTreeMap<String, String>,
+}
+
+fn add_reward(
+    state: &AppState,
+    episode_id: &str,
+    req: AddReward,
+) -> Result<Response<RespBody>, ApiError> {
+    let value = match &req.value {
+        Some(Value::Number(n)) => n.as_f64().filter(|v| v.is_finite()),
+        _ => None,
+    };
+    let Some(value) = value else {
+        return Err(err(
+            StatusCode::BAD_REQUEST,
+            "invalid_value",
+            format!(
+                "value must be a finite number, got {}",
+                req.value.map_or("nothing".to_owned(), |v| v.to_string())
+            ),
+        ));
+    };
+    if !req.span_id.is_empty() && !valid_episode_id(&req.span_id) {
+        return Err(err(
+            StatusCode::BAD_REQUEST,
+            "invalid_span_id",
+            format!(
+                "{:?} is not a span id (take it from the x-tapline-span-id response header)",
+                req.span_id
+            ),
+        ));
+    }
+    let reward_id = uuid::Uuid::now_v7().to_string();
+    submit(
+        state,
+        RecordKind::Reward(Reward {
+            reward_id: reward_id.clone(),
+            episode_id: episode_id.to_owned(),
+            span_id: req.span_id,
+            name: req.name,
+            value,
+            time_unix_nanos: now_nanos(),
+            tags: req.tags,
+        }),
+    )?;
+    Ok(reply(
+        StatusCode::CREATED,
+        json!({"reward_id": reward_id, "episode_id": episode_id}),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EndEpisode {
+    status: String,
+    #[serde(default)]
+    metadata: BTreeMap<String, Value>,
+}
+
+fn end_episode(
+    state: &AppState,
+    episode_id: &str,
+    req: EndEpisode,
+) -> Result<Response<RespBody>, ApiError> {
+    let status = match req.status.as_str() {
+        "succeeded" => EndStatus::Succeeded,
+        "failed" => EndStatus::Failed,
+        "timed_out" => EndStatus::TimedOut,
+        "aborted" => EndStatus::Aborted,
+        other => {
+            return Err(err(
+                StatusCode::BAD_REQUEST,
+                "invalid_status",
+                format!("status {other:?} is not one of succeeded, failed, timed_out, aborted"),
+            ));
+        }
+    };
+    let info = state.episodes.end(episode_id);
+    let known = info.is_some();
+    let info = info.unwrap_or_default();
+    submit(
+        state,
+        RecordKind::EpisodeEvent(EpisodeEvent {
+            event_id: uuid::Uuid::now_v7().to_string(),
+            episode_id: episode_id.to_owned(),
+            kind: EpisodeEventKind::End as i32,
+            task_id: info.task_id,
+            group_id: info.group_id,
+            status: status as i32,
+            metadata: metadata_map(req.metadata),
+            time_unix_nanos: now_nanos(),
+            incomplete: info.dropped_records > 0,
+            dropped_records: info.dropped_records,
+            bound: false,
+        }),
+    )?;
+    Ok(reply(
+        StatusCode::OK,
+        json!({
+            "episode_id": episode_id,
+            "status": req.status,
+            "calls": info.calls,
+            "known": known,
+            "incomplete": info.dropped_records > 0,
+        }),
+    ))
+}
+
+fn health(state: &AppState) -> Response<RespBody> {
+    let m = &state.metrics;
+    reply(
+        StatusCode::OK,
+        json!({
+            "status": "ok",
+            "sidecar_id": state.config.sidecar_id,
+            "upstream": state.upstream_base,
+            "upstream_kind": state.config.upstream_kind.as_str(),
+            "store": state.store_display,
+            "open_episodes": state.episodes.open(),
+            "bound_episode": state.episodes.bound(),
+            "records_dropped": m.records_dropped.load(Ordering::Relaxed),
+            "upload_failures": m.upload_failures.load(Ordering::Relaxed),
+        }),
+    )
+}

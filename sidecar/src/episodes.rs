@@ -1,0 +1,211 @@
+//! Episodes known to this sidecar and the attribution of calls to them.
+//!
+//! Attribution, first match wins (DESIGN.md): the path prefix `/e/{episode_id}/`, the
+//! `x-tapline-episode-id` header, the episode bound to this sidecar, else unattributed.
+//! Task, group and tags come from `x-tapline-*` headers when present, else from the
+//! episode as it was created.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+/// What the sidecar remembers of an episode it created.
+#[derive(Debug, Clone, Default)]
+pub struct EpisodeInfo {
+    /// Task id.
+    pub task_id: String,
+    /// Group id.
+    pub group_id: String,
+    /// Number of calls attributed so far (the next call's `seq`).
+    pub calls: u32,
+    /// Records of this episode that had to be dropped.
+    pub dropped_records: u64,
+}
+
+/// Attribution hints found on one request.
+#[derive(Debug, Clone, Default)]
+pub struct Hints {
+    /// Episode id from the `/e/{id}/` path prefix.
+    pub path_episode: Option<String>,
+    /// `x-tapline-episode-id`.
+    pub header_episode: Option<String>,
+    /// `x-tapline-task-id`.
+    pub task_id: Option<String>,
+    /// `x-tapline-group-id`.
+    pub group_id: Option<String>,
+    /// `x-tapline-tag-<key>` headers.
+    pub tags: BTreeMap<String, String>,
+}
+
+/// The result of attributing one call.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Attribution {
+    /// Episode id; empty when unattributed.
+    pub episode_id: String,
+    /// Task id.
+    pub task_id: String,
+    /// Group id.
+    pub group_id: String,
+    /// Position of the call in its episode.
+    pub seq: u32,
+    /// Tags.
+    pub tags: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    episodes: HashMap<String, EpisodeInfo>,
+    bound: Option<String>,
+    unattributed_calls: u32,
+}
+
+/// The episode registry.
+#[derive(Debug, Default)]
+pub struct Episodes {
+    state: Mutex<State>,
+}
+
+impl Episodes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a new episode; binds it when asked (replacing an earlier binding).
+    pub fn create(&self, episode_id: &str, info: EpisodeInfo, bind: bool) {
+        let mut state = self.lock();
+        state.episodes.insert(episode_id.to_owned(), info);
+        if bind {
+            state.bound = Some(episode_id.to_owned());
+        }
+    }
+
+    /// Forgets an episode and unbinds it. Returns what was known of it.
+    pub fn end(&self, episode_id: &str) -> Option<EpisodeInfo> {
+        let mut state = self.lock();
+        if state.bound.as_deref() == Some(episode_id) {
+            state.bound = None;
+        }
+        state.episodes.remove(episode_id)
+    }
+
+    /// The episode, if this sidecar created it and it has not ended.
+    pub fn get(&self, episode_id: &str) -> Option<EpisodeInfo> {
+        self.lock().episodes.get(episode_id).cloned()
+    }
+
+    /// The bound episode, if any.
+    pub fn bound(&self) -> Option<String> {
+        self.lock().bound.clone()
+    }
+
+    /// Counts a record of the episode that had to be dropped.
+    pub fn note_dropped(&self, episode_id: &str) {
+        if let Some(info) = self.lock().episodes.get_mut(episode_id) {
+            info.dropped_records += 1;
+        }
+    }
+
+    /// Number of open episodes.
+    pub fn open(&self) -> usize {
+        self.lock().episodes.len()
+    }
+
+    /// Attributes one call and advances its episode's call counter.
+    pub fn attribute(&self, hints: Hints) -> Attribution {
+        let mut state = self.lock();
+        let episode_id = hints
+            .path_episode
+            .or(hints.header_episode)
+            .or_else(|| state.bound.clone())
+            .unwrap_or_default();
+        if episode_id.is_empty() {
+            let seq = state.unattributed_calls;
+            state.unattributed_calls = seq.wrapping_add(1);
+            return Attribution {
+                seq,
+                task_id: hints.task_id.unwrap_or_default(),
+                group_id: hints.group_id.unwrap_or_default(),
+                tags: hints.tags,
+                ..Default::default()
+            };
+        }
+        let info = state.episodes.entry(episode_id.clone()).or_default();
+        let seq = info.calls;
+        info.calls = seq.saturating_add(1);
+        Attribution {
+            task_id: hints.task_id.unwrap_or_else(|| info.task_id.clone()),
+            group_id: hints.group_id.unwrap_or_else(|| info.group_id.clone()),
+            episode_id,
+            seq,
+            tags: hints.tags,
+        }
+    }
+}
+
+/// Whether `id` can be an episode id in a path or header: 1 to 128 characters from
+/// `A-Z a-z 0-9 - _ .`.
+pub fn valid_episode_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(task: &str) -> EpisodeInfo {
+        EpisodeInfo {
+            task_id: task.into(),
+            group_id: "g".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn path_beats_header_beats_binding() {
+        let eps = Episodes::default();
+        eps.create("bound", info("tb"), true);
+        eps.create("p", info("tp"), false);
+        let a = eps.attribute(Hints {
+            path_episode: Some("p".into()),
+            header_episode: Some("h".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            (a.episode_id.as_str(), a.task_id.as_str(), a.seq),
+            ("p", "tp", 0)
+        );
+        let a = eps.attribute(Hints {
+            header_episode: Some("h".into()),
+            ..Default::default()
+        });
+        assert_eq!(a.episode_id, "h");
+        let a = eps.attribute(Hints::default());
+        assert_eq!((a.episode_id.as_str(), a.task_id.as_str()), ("bound", "tb"));
+        let a = eps.attribute(Hints {
+            task_id: Some("override".into()),
+            ..Default::default()
+        });
+        assert_eq!((a.task_id.as_str(), a.seq), ("override", 1));
+        eps.end("bound");
+        assert_eq!(eps.attribute(Hints::default()).episode_id, "");
+    }
+
+    #[test]
+    fn call_numbers_count_per_episode() {
+        let eps = Episodes::default();
+        eps.create("a", info("t"), false);
+        let seqs: Vec<u32> = (0..3)
+            .map(|_| {
+                eps.attribute(Hints {
+                    path_episode: Some("a".into()),
+                    ..Default::default()
+                })
+                .seq
+            })
+            .collect();
+        assert_eq!(seqs, [0, 1, 2]);
+    }
+}

@@ -1,0 +1,230 @@
+//! Counters of the sidecar, served as Prometheus text at `/metrics`.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tapline_proto::{Api, Outcome};
+
+const APIS: [Api; 5] = [
+    Api::ChatCompletions,
+    Api::Completions,
+    Api::Responses,
+    Api::AnthropicMessages,
+    Api::Other,
+];
+const OUTCOMES: [Outcome; 5] = [
+    Outcome::Ok,
+    Outcome::UpstreamError,
+    Outcome::UpstreamUnreachable,
+    Outcome::Timeout,
+    Outcome::ClientAborted,
+];
+/// Upper bounds (seconds) of the added-latency histogram buckets.
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
+];
+
+/// All counters. Cheap to update from any thread.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    requests: [AtomicU64; 6],
+    outcomes: [AtomicU64; 6],
+    /// Request body bytes received from clients.
+    pub request_bytes: AtomicU64,
+    /// Response body bytes sent to clients.
+    pub response_bytes: AtomicU64,
+    /// Control API requests.
+    pub control_requests: AtomicU64,
+    /// Control API requests refused with 4xx.
+    pub control_errors: AtomicU64,
+    /// Records accepted by the record queue.
+    pub records_queued: AtomicU64,
+    /// Records dropped (queue full or closed).
+    pub records_dropped: AtomicU64,
+    /// Records in uploaded segments.
+    pub records_stored: AtomicU64,
+    /// Segments uploaded.
+    pub segments_uploaded: AtomicU64,
+    /// Bytes of uploaded segments.
+    pub stored_bytes: AtomicU64,
+    /// Failed upload attempts.
+    pub upload_failures: AtomicU64,
+    /// Calls whose completion could not be fully rebuilt (warnings in the record).
+    pub capture_warnings: AtomicU64,
+    /// Calls that could not be recorded at all.
+    pub capture_failures: AtomicU64,
+    /// Set once the recorder stops accepting records.
+    pub recorder_closed: AtomicU64,
+    latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
+    latency_count: AtomicU64,
+    latency_sum_nanos: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts one proxied request.
+    pub fn request(&self, api: Api) {
+        self.requests[api as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts how one proxied call ended.
+    pub fn outcome(&self, outcome: Outcome) {
+        self.outcomes[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the latency the sidecar added to one call.
+    pub fn added_latency(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.latency_buckets) {
+            if secs <= *bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.latency_count.fetch_add(1, Ordering::Relaxed);
+        self.latency_sum_nanos
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self, open_episodes: usize) -> String {
+        let mut out = String::with_capacity(4096);
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# HELP tapline_requests_total LLM API requests proxied, by API."
+        );
+        let _ = writeln!(out, "# TYPE tapline_requests_total counter");
+        for api in APIS {
+            let name = api
+                .as_str_name()
+                .trim_start_matches("API_")
+                .to_ascii_lowercase();
+            let _ = writeln!(
+                out,
+                "tapline_requests_total{{api=\"{name}\"}} {}",
+                get(&self.requests[api as usize])
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP tapline_calls_total Proxied calls by outcome (errors are every outcome but ok)."
+        );
+        let _ = writeln!(out, "# TYPE tapline_calls_total counter");
+        for outcome in OUTCOMES {
+            let name = outcome
+                .as_str_name()
+                .trim_start_matches("OUTCOME_")
+                .to_ascii_lowercase();
+            let _ = writeln!(
+                out,
+                "tapline_calls_total{{outcome=\"{name}\"}} {}",
+                get(&self.outcomes[outcome as usize])
+            );
+        }
+        let errors: u64 = OUTCOMES[1..]
+            .iter()
+            .map(|o| get(&self.outcomes[*o as usize]))
+            .sum();
+        let counters: [(&str, &str, u64); 13] = [
+            (
+                "tapline_errors_total",
+                "Proxied calls that did not end ok.",
+                errors,
+            ),
+            (
+                "tapline_request_bytes_total",
+                "Request body bytes received from clients.",
+                get(&self.request_bytes),
+            ),
+            (
+                "tapline_response_bytes_total",
+                "Response body bytes sent to clients.",
+                get(&self.response_bytes),
+            ),
+            (
+                "tapline_control_requests_total",
+                "Control API requests.",
+                get(&self.control_requests),
+            ),
+            (
+                "tapline_control_errors_total",
+                "Control API requests refused.",
+                get(&self.control_errors),
+            ),
+            (
+                "tapline_records_total",
+                "Records accepted for storage.",
+                get(&self.records_queued),
+            ),
+            (
+                "tapline_records_dropped_total",
+                "Records dropped before storage.",
+                get(&self.records_dropped),
+            ),
+            (
+                "tapline_records_stored_total",
+                "Records in segments acknowledged by the store.",
+                get(&self.records_stored),
+            ),
+            (
+                "tapline_segments_uploaded_total",
+                "Segments acknowledged by the store.",
+                get(&self.segments_uploaded),
+            ),
+            (
+                "tapline_stored_bytes_total",
+                "Compressed bytes acknowledged by the store.",
+                get(&self.stored_bytes),
+            ),
+            (
+                "tapline_upload_failures_total",
+                "Failed segment upload attempts.",
+                get(&self.upload_failures),
+            ),
+            (
+                "tapline_capture_warnings_total",
+                "Calls whose completion could not be fully rebuilt.",
+                get(&self.capture_warnings),
+            ),
+            (
+                "tapline_capture_failures_total",
+                "Calls that could not be recorded.",
+                get(&self.capture_failures),
+            ),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP tapline_open_episodes Episodes created and not yet ended.\n# TYPE tapline_open_episodes gauge\ntapline_open_episodes {open_episodes}"
+        );
+        let _ = writeln!(
+            out,
+            "# HELP tapline_added_latency_seconds Time the sidecar adds before the response head reaches the client."
+        );
+        let _ = writeln!(out, "# TYPE tapline_added_latency_seconds histogram");
+        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.latency_buckets) {
+            let _ = writeln!(
+                out,
+                "tapline_added_latency_seconds_bucket{{le=\"{bound}\"}} {}",
+                get(bucket)
+            );
+        }
+        let count = get(&self.latency_count);
+        let _ = writeln!(
+            out,
+            "tapline_added_latency_seconds_bucket{{le=\"+Inf\"}} {count}"
+        );
+        let _ = writeln!(
+            out,
+            "tapline_added_latency_seconds_sum {}",
+            get(&self.latency_sum_nanos) as f64 / 1e9
+        );
+        let _ = writeln!(out, "tapline_added_latency_seconds_count {count}");
+        out
+    }
+}

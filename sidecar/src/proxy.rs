@@ -1,0 +1,1081 @@
+//! The proxy: forwards every request to the upstream unchanged, streams the response back
+//! frame by frame, and records the call beside the stream.
+//!
+//! Invariants:
+//! - The client receives the upstream's status, headers (minus hop-by-hop headers, plus
+//!   `x-tapline-span-id`) and body bytes unchanged, each body frame as soon as it arrives.
+//!   The one exception is token fidelity (`--upstream-kind vllm|sglang`): fields the
+//!   sidecar asked for on its own are removed from the client's copy.
+//! - Recording never blocks the response: the record is built and queued on a separate
+//!   task once the body ended, failed, timed out or was dropped by the client.
+//! - Request bodies larger than the capture cap are forwarded whole; the record keeps a
+//!   prefix and says it is truncated.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use hyper::body::Incoming;
+use serde_json::Value;
+use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
+
+use crate::config::{NEVER_RECORDED, UpstreamKind};
+use crate::episodes::{Hints, valid_episode_id};
+use crate::rebuild;
+use crate::server::AppState;
+use crate::sink::now_nanos;
+
+/// Error type of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Body of every response the sidecar sends.
+pub type RespBody = UnsyncBoxBody<Bytes, BoxError>;
+/// Body of every request the sidecar sends upstream.
+pub type UpBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Header that carries the span id of a proxied call back to the client.
+pub const SPAN_ID_HEADER: &str = "x-tapline-span-id";
+
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// A body of fixed bytes.
+pub fn full_body(bytes: impl Into<Bytes>) -> RespBody {
+    http_body_util::Full::new(bytes.into())
+        .map_err(|never: Infallible| match never {})
+        .boxed_unsync()
+}
+
+/// Decides the API family from the method and path (without query).
+pub fn api_of(method: &http::Method, path: &str) -> Api {
+    if method != http::Method::POST {
+        return Api::Other;
+    }
+    let path = path.trim_end_matches('/');
+    if path.ends_with("/chat/completions") {
+        Api::ChatCompletions
+    } else if path.ends_with("/completions") {
+        Api::Completions
+    } else if path.ends_with("/responses") {
+        Api::Responses
+    } else if path.ends_with("/messages") {
+        Api::AnthropicMessages
+    } else {
+        Api::Other
+    }
+}
+
+/// A JSON error body in the shape of the API the client called.
+pub fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Response<RespBody> {
+    let body = match api {
+        Api::AnthropicMessages => serde_json::json!({
+            "type": "error",
+            "error": {"type": if status == StatusCode::GATEWAY_TIMEOUT { "timeout_error" } else { "api_error" }, "message": message},
+        }),
+        _ => serde_json::json!({
+            "error": {"message": message, "type": code, "param": null, "code": code},
+        }),
+    };
+    let mut resp = Response::new(full_body(body.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// What the sidecar asked the upstream for on its own, to be removed from the response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Injected {
+    /// `return_token_ids` was added: remove `prompt_token_ids` and `token_ids`.
+    pub token_ids: bool,
+    /// `logprobs` was added: set `choices[].logprobs` to null.
+    pub logprobs: bool,
+}
+
+impl Injected {
+    fn any(self) -> bool {
+        self.token_ids || self.logprobs
+    }
+}
+
+/// Adds token-id and logprob requests to a request body for vLLM/SGLang upstreams.
+/// Returns the new body and what was added, or `None` when nothing was added.
+pub fn inject(kind: UpstreamKind, api: Api, body: &[u8]) -> Option<(Bytes, Injected)> {
+    if kind == UpstreamKind::Openai || !matches!(api, Api::ChatCompletions | Api::Completions) {
+        return None;
+    }
+    let mut value: Value = serde_json::from_slice(body).ok()?;
+    let obj = value.as_object_mut()?;
+    let streaming = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let mut injected = Injected::default();
+    // SGLang refuses return_token_ids on streamed chat completions.
+    let ids_possible = !(kind == UpstreamKind::Sglang && api == Api::ChatCompletions && streaming);
+    if ids_possible && !obj.contains_key("return_token_ids") {
+        obj.insert("return_token_ids".into(), Value::Bool(true));
+        injected.token_ids = true;
+    }
+    let asked_logprobs = match obj.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(_) => true,
+    };
+    if !asked_logprobs {
+        let on = if api == Api::ChatCompletions {
+            Value::Bool(true)
+        } else {
+            Value::from(0)
+        };
+        obj.insert("logprobs".into(), on);
+        injected.logprobs = true;
+    }
+    if !injected.any() {
+        return None;
+    }
+    let bytes = serde_json::to_vec(&value).ok()?;
+    Some((Bytes::from(bytes), injected))
+}
+
+/// Removes injected fields from one response JSON object. Returns whether it changed.
+pub fn strip_injected(value: &mut Value, injected: Injected) -> bool {
+    let Some(obj) = value.as_object_mut() else {
+        return false;
+    };
+    let mut changed = false;
+    if injected.token_ids {
+        changed |= obj.shift_remove("prompt_token_ids").is_some();
+    }
+    if let Some(Value::Array(choices)) = obj.get_mut("choices") {
+        for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
+            if injected.token_ids {
+                changed |= choice.shift_remove("token_ids").is_some();
+                changed |= choice.shift_remove("prompt_token_ids").is_some();
+            }
+            if injected.logprobs
+                && let Some(lp) = choice.get_mut("logprobs")
+                && !lp.is_null()
+            {
+                *lp = Value::Null;
+                changed = true;
+            }
+        }
+    }
+    changed
+}
+
+/// Rewrites complete SSE events of a stream, leaving every event it does not change
+/// byte for byte as it was.
+#[derive(Debug, Default)]
+struct SseRewriter {
+    pending: Vec<u8>,
+    injected: Injected,
+}
+
+impl SseRewriter {
+    /// Takes a chunk; returns the rewritten complete events it finished (maybe empty).
+    fn push(&mut self, chunk: &[u8]) -> Bytes {
+        self.pending.extend_from_slice(chunk);
+        let Some(end) = last_event_end(&self.pending) else {
+            return Bytes::new();
+        };
+        let rest = self.pending.split_off(end);
+        let events = std::mem::replace(&mut self.pending, rest);
+        rewrite_events(&events, self.injected)
+    }
+
+    fn finish(&mut self) -> Bytes {
+        let events = std::mem::take(&mut self.pending);
+        rewrite_events(&events, self.injected)
+    }
+}
+
+/// Offset just past the blank line that ends the last complete event in `buf`.
+fn last_event_end(buf: &[u8]) -> Option<usize> {
+    let mut last = None;
+    let mut line_start = 0;
+    let mut i = 0;
+    while i < buf.len() {
+        let b = buf[i];
+        if b == b'\n' || b == b'\r' {
+            let mut next = i + 1;
+            if b == b'\r' {
+                if next == buf.len() {
+                    break; // may be the first half of \r\n
+                }
+                if buf[next] == b'\n' {
+                    next += 1;
+                }
+            }
+            if i == line_start {
+                last = Some(next);
+            }
+            line_start = next;
+            i = next;
+        } else {
+            i += 1;
+        }
+    }
+    last
+}
+
+fn rewrite_events(events: &[u8], injected: Injected) -> Bytes {
+    let mut out = BytesMut::with_capacity(events.len());
+    for line in events.split_inclusive(|b| *b == b'\n') {
+        let body_len = line.len()
+            - line
+                .iter()
+                .rev()
+                .take_while(|b| matches!(b, b'\n' | b'\r'))
+                .count();
+        let (text, ending) = line.split_at(body_len);
+        let rewritten = text
+            .strip_prefix(b"data:")
+            .map(|p| p.strip_prefix(b" ").unwrap_or(p))
+            .filter(|payload| payload.first() == Some(&b'{'))
+            .and_then(|payload| serde_json::from_slice::<Value>(payload).ok())
+            .and_then(|mut v| strip_injected(&mut v, injected).then_some(v))
+            .and_then(|v| serde_json::to_vec(&v).ok());
+        match rewritten {
+            Some(json) => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&json);
+                out.extend_from_slice(ending);
+            }
+            None => out.extend_from_slice(line),
+        }
+    }
+    out.freeze()
+}
+
+/// How the response body is changed on its way to the client.
+#[derive(Debug)]
+enum Rewrite {
+    /// Unchanged.
+    None,
+    /// SSE stream: injected fields removed event by event.
+    Sse(SseRewriter),
+}
+
+/// Everything known about a call while its response streams.
+struct Capture {
+    state: Arc<AppState>,
+    call: LlmCall,
+    body: Vec<u8>,
+    body_size: u64,
+    content_encoding: Option<String>,
+    /// Request body bytes forwarded so far, when the body was longer than the cap and
+    /// streamed through.
+    request_size: Option<Arc<AtomicU64>>,
+}
+
+/// Records the call as aborted by the client if the proxy future is dropped (the client
+/// went away) before the response was handed to it.
+struct CallGuard(Option<Capture>);
+
+impl CallGuard {
+    fn take(&mut self) -> Capture {
+        self.0.take().expect("the capture is taken once")
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if let Some(capture) = self.0.take() {
+            capture.finish(
+                Outcome::ClientAborted,
+                Some("client closed the connection before the response head arrived".to_owned()),
+            );
+        }
+    }
+}
+
+impl Capture {
+    fn push(&mut self, data: &[u8]) {
+        if self.call.first_byte_unix_nanos == 0 {
+            self.call.first_byte_unix_nanos = now_nanos();
+        }
+        self.body_size += data.len() as u64;
+        let cap = self.state.config.capture_cap_bytes;
+        if self.body.len() < cap {
+            let take = data.len().min(cap - self.body.len());
+            self.body.extend_from_slice(&data[..take]);
+        }
+    }
+
+    /// Completes the record on another task, so the response is not held up.
+    fn finish(mut self, outcome: Outcome, error: Option<String>) {
+        self.call.end_unix_nanos = now_nanos();
+        self.call.outcome = outcome as i32;
+        if let Some(error) = error {
+            self.call.error = error;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move { self.record() });
+            }
+            Err(_) => self.record(),
+        }
+    }
+
+    fn record(mut self) {
+        let call = &mut self.call;
+        if let Some(size) = &self.request_size {
+            call.request_body_size = size.load(Ordering::Relaxed);
+        }
+        call.response_truncated = self.body_size > self.body.len() as u64;
+        call.response_body_size = self.body_size;
+        let api = call.api();
+        if api != Api::Other && !self.body.is_empty() {
+            match rebuild::decode_content(self.content_encoding.as_deref(), &self.body) {
+                Ok(decoded) => {
+                    let rebuilt = rebuild::rebuild(api, call.streamed, &decoded);
+                    call.completions = rebuilt.completions;
+                    call.usage = rebuilt.usage;
+                    if !rebuilt.response_model.is_empty() {
+                        call.response_model = rebuilt.response_model;
+                    }
+                    call.prompt_token_ids = rebuilt.prompt_token_ids;
+                    if let Some(message) = rebuilt.stream_error
+                        && call.outcome() == Outcome::Ok
+                    {
+                        call.outcome = Outcome::UpstreamError as i32;
+                        call.error = message;
+                    }
+                    call.capture_warnings.extend(rebuilt.warnings);
+                }
+                Err(e) => call
+                    .capture_warnings
+                    .push(format!("cannot decode response body: {e}")),
+            }
+        }
+        if call.response_truncated {
+            call.capture_warnings.push(format!(
+                "response body truncated to {} bytes",
+                self.body.len()
+            ));
+        }
+        if call.policy_version.is_empty() {
+            call.policy_version = call.response_model.clone();
+        }
+        if call.outcome() == Outcome::Ok && !(200..300).contains(&call.http_status) {
+            call.outcome = Outcome::UpstreamError as i32;
+        }
+        call.response_body = std::mem::take(&mut self.body);
+        let metrics = &self.state.metrics;
+        metrics.outcome(call.outcome());
+        if !call.capture_warnings.is_empty() {
+            metrics.capture_warnings.fetch_add(1, Ordering::Relaxed);
+        }
+        let episode_id = call.episode_id.clone();
+        if self
+            .state
+            .sink
+            .submit(RecordKind::LlmCall(self.call))
+            .is_err()
+        {
+            metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
+            if !episode_id.is_empty() {
+                self.state.episodes.note_dropped(&episode_id);
+            }
+        }
+    }
+}
+
+/// The response body handed to the client: the upstream body, teed into the capture.
+struct CaptureBody {
+    inner: Incoming,
+    capture: Option<Capture>,
+    rewrite: Rewrite,
+    idle_timeout: Duration,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    done: bool,
+}
+
+impl CaptureBody {
+    fn finish(&mut self, outcome: Outcome, error: Option<String>) {
+        self.done = true;
+        if let Some(capture) = self.capture.take() {
+            capture.finish(outcome, error);
+        }
+    }
+
+    fn sent(&self, n: usize) {
+        if let Some(c) = &self.capture {
+            c.state
+                .metrics
+                .response_bytes
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Body for CaptureBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            if this.done {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let deadline = tokio::time::Instant::now() + this.idle_timeout;
+                    this.idle.as_mut().reset(deadline);
+                    let Some(data) = frame.data_ref() else {
+                        return Poll::Ready(Some(Ok(frame)));
+                    };
+                    if let Some(capture) = &mut this.capture {
+                        capture.push(data);
+                    }
+                    let out = match &mut this.rewrite {
+                        Rewrite::None => {
+                            this.sent(data.len());
+                            return Poll::Ready(Some(Ok(frame)));
+                        }
+                        Rewrite::Sse(rewriter) => rewriter.push(data),
+                    };
+                    if !out.is_empty() {
+                        this.sent(out.len());
+                        return Poll::Ready(Some(Ok(Frame::data(out))));
+                    }
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    this.finish(
+                        Outcome::UpstreamError,
+                        Some(format!("upstream body failed: {error}")),
+                    );
+                    return Poll::Ready(Some(Err(error.into())));
+                }
+                Poll::Ready(None) => {
+                    let tail = match &mut this.rewrite {
+                        Rewrite::None => Bytes::new(),
+                        Rewrite::Sse(rewriter) => rewriter.finish(),
+                    };
+                    this.sent(tail.len());
+                    this.finish(Outcome::Ok, None);
+                    return Poll::Ready(if tail.is_empty() {
+                        None
+                    } else {
+                        Some(Ok(Frame::data(tail)))
+                    });
+                }
+                Poll::Pending => {
+                    if this.idle.as_mut().poll(cx).is_ready() {
+                        let message = format!(
+                            "upstream sent nothing for {:.0?}; response cut",
+                            this.idle_timeout
+                        );
+                        this.finish(Outcome::Timeout, Some(message.clone()));
+                        return Poll::Ready(Some(Err(message.into())));
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || (matches!(self.rewrite, Rewrite::None) && self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.rewrite {
+            Rewrite::None => self.inner.size_hint(),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+impl Drop for CaptureBody {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(
+                Outcome::ClientAborted,
+                Some("client closed the connection before the response ended".to_owned()),
+            );
+        }
+    }
+}
+
+/// Reads up to `cap` bytes of a request body. Returns the chunks read and, when the body
+/// is longer, the unread remainder.
+async fn read_capped(
+    mut body: Incoming,
+    cap: usize,
+) -> Result<(Vec<Bytes>, usize, Option<Incoming>), hyper::Error> {
+    let mut chunks = Vec::new();
+    let mut len = 0;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            len += data.len();
+            chunks.push(data);
+            if len > cap {
+                return Ok((chunks, len, Some(body)));
+            }
+        }
+    }
+    Ok((chunks, len, None))
+}
+
+fn concat(chunks: &[Bytes], len: usize) -> Bytes {
+    match chunks {
+        [] => Bytes::new(),
+        [one] => one.clone(),
+        many => {
+            let mut buf = BytesMut::with_capacity(len);
+            for c in many {
+                buf.extend_from_slice(c);
+            }
+            buf.freeze()
+        }
+    }
+}
+
+fn recorded_headers(headers: &HeaderMap, allow: &[String]) -> BTreeMap<String, String> {
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            let n = name.as_str();
+            !NEVER_RECORDED.contains(&n) && allow.iter().any(|a| a == n)
+        })
+        .map(|(name, value)| {
+            (
+                name.as_str().to_owned(),
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
+}
+
+fn remove_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(*name);
+    }
+}
+
+/// Takes the `x-tapline-*` headers off a request.
+fn take_tapline_headers(headers: &mut HeaderMap, hints: &mut Hints) {
+    let names: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| n.as_str().starts_with("x-tapline-"))
+        .cloned()
+        .collect();
+    for name in names {
+        let value = headers
+            .get_all(&name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect::<Vec<_>>()
+            .join(",");
+        headers.remove(&name);
+        let value = value.trim().to_owned();
+        match name.as_str() {
+            "x-tapline-episode-id" if !value.is_empty() => hints.header_episode = Some(value),
+            "x-tapline-task-id" => hints.task_id = Some(value),
+            "x-tapline-group-id" => hints.group_id = Some(value),
+            other => {
+                if let Some(tag) = other.strip_prefix("x-tapline-tag-") {
+                    hints.tags.insert(tag.to_owned(), value);
+                }
+            }
+        }
+    }
+}
+
+/// Splits `/e/{episode}/rest` into the episode and `/rest`.
+fn split_episode_prefix(path_and_query: &str) -> Option<(&str, String)> {
+    let rest = path_and_query.strip_prefix("/e/")?;
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (id, tail) = rest.split_at(end);
+    let tail = if tail.starts_with('/') {
+        tail.to_owned()
+    } else {
+        format!("/{tail}")
+    };
+    Some((id, tail))
+}
+
+/// Proxies one request.
+pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBody> {
+    let started = Instant::now();
+    let start_nanos = now_nanos();
+    let (mut parts, body) = req.into_parts();
+    let mut hints = Hints::default();
+    let original = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    let path_and_query = match split_episode_prefix(&original) {
+        Some((id, rest)) => {
+            if !valid_episode_id(id) {
+                return api_error(
+                    api_of(&parts.method, rest.split('?').next().unwrap_or("")),
+                    StatusCode::BAD_REQUEST,
+                    "invalid_episode_id",
+                    &format!(
+                        "tapline: {id:?} in the path /e/{{episode_id}}/ is not an episode id; use the base URL the tapline SDK returned"
+                    ),
+                );
+            }
+            hints.path_episode = Some(id.to_owned());
+            rest
+        }
+        None => original,
+    };
+    take_tapline_headers(&mut parts.headers, &mut hints);
+    let path = path_and_query.split('?').next().unwrap_or("/");
+    let api = api_of(&parts.method, path);
+    state.metrics.request(api);
+    let attribution = state.episodes.attribute(hints);
+    let span_id = uuid::Uuid::now_v7().to_string();
+
+    let cap = state.config.capture_cap_bytes;
+    let (chunks, read_len, remainder) = match read_capped(body, cap).await {
+        Ok(read) => read,
+        Err(error) => {
+            // The client went away while sending its request: nothing to forward.
+            let call = LlmCall {
+                span_id,
+                api: api as i32,
+                method: parts.method.to_string(),
+                path: path_and_query,
+                start_unix_nanos: start_nanos,
+                end_unix_nanos: now_nanos(),
+                outcome: Outcome::ClientAborted as i32,
+                error: format!("client request body failed: {error}"),
+                ..attributed(&attribution, &state.config.sidecar_id)
+            };
+            state.metrics.outcome(Outcome::ClientAborted);
+            let _ = state.sink.submit(RecordKind::LlmCall(call));
+            return api_error(
+                api,
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "tapline: request body could not be read",
+            );
+        }
+    };
+    state
+        .metrics
+        .request_bytes
+        .fetch_add(read_len as u64, Ordering::Relaxed);
+    let request_bytes = concat(&chunks, read_len);
+    let captured_request = request_bytes.slice(..read_len.min(cap));
+    let request_model = if remainder.is_none() {
+        serde_json::from_slice::<Value>(&request_bytes)
+            .ok()
+            .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_owned))
+            .unwrap_or_default()
+    } else {
+        String::new()
+    };
+
+    // Token fidelity: ask vLLM/SGLang for ids and logprobs.
+    let injected = if remainder.is_none() {
+        inject(state.config.upstream_kind, api, &request_bytes)
+    } else {
+        None
+    };
+    let mut headers = parts.headers;
+    remove_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    let mut request_size = None;
+    let (up_body, injected): (UpBody, Injected) = match (injected, remainder) {
+        (Some((bytes, injected)), _) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+            (full_body(bytes), injected)
+        }
+        (None, None) => (full_body(request_bytes), Injected::default()),
+        (None, Some(rest)) => {
+            let counter = Arc::new(AtomicU64::new(read_len as u64));
+            request_size = Some(counter.clone());
+            let state2 = state.clone();
+            let rest = rest
+                .map_frame(move |f| {
+                    if let Some(d) = f.data_ref() {
+                        state2
+                            .metrics
+                            .request_bytes
+                            .fetch_add(d.len() as u64, Ordering::Relaxed);
+                        counter.fetch_add(d.len() as u64, Ordering::Relaxed);
+                    }
+                    f
+                })
+                .map_err(BoxError::from);
+            let head = futures::stream::iter(
+                chunks
+                    .into_iter()
+                    .map(|c| Ok::<_, BoxError>(Frame::data(c))),
+            );
+            let body =
+                http_body_util::StreamBody::new(head.chain(http_body_util::BodyStream::new(rest)));
+            (body.boxed_unsync(), Injected::default())
+        }
+    };
+
+    let call = LlmCall {
+        span_id: span_id.clone(),
+        api: api as i32,
+        method: parts.method.to_string(),
+        path: path_and_query.clone(),
+        start_unix_nanos: start_nanos,
+        request_body: captured_request.to_vec(),
+        request_truncated: read_len > cap,
+        request_body_size: read_len as u64,
+        request_headers: recorded_headers(&headers, &state.config.recorded_headers),
+        request_model,
+        token_fields_injected: injected.any(),
+        ..attributed(&attribution, &state.config.sidecar_id)
+    };
+    let mut guard = CallGuard(Some(Capture {
+        state: state.clone(),
+        call,
+        body: Vec::new(),
+        body_size: 0,
+        content_encoding: None,
+        request_size,
+    }));
+
+    let uri = match format!("{}{}", state.upstream_base, path_and_query).parse::<http::Uri>() {
+        Ok(uri) => uri,
+        Err(e) => {
+            let message = format!("tapline: request path cannot be forwarded: {e}");
+            return local_failure(
+                guard.take(),
+                api,
+                StatusCode::BAD_REQUEST,
+                Outcome::UpstreamError,
+                "bad_request",
+                message,
+            );
+        }
+    };
+    let mut up_req = Request::new(up_body);
+    *up_req.method_mut() = parts.method;
+    *up_req.uri_mut() = uri;
+    *up_req.headers_mut() = headers;
+
+    let sent_at = Instant::now();
+    let response =
+        tokio::time::timeout(state.config.response_timeout, state.client.request(up_req)).await;
+    let head_at = Instant::now();
+    let response = match response {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            let (outcome, code) = if error.is_connect() {
+                (Outcome::UpstreamUnreachable, "upstream_unreachable")
+            } else {
+                (Outcome::UpstreamError, "upstream_error")
+            };
+            let message = format!(
+                "tapline: upstream {} failed: {}",
+                state.upstream_base,
+                error_chain(&error)
+            );
+            return local_failure(
+                guard.take(),
+                api,
+                StatusCode::BAD_GATEWAY,
+                outcome,
+                code,
+                message,
+            );
+        }
+        Err(_) => {
+            let message = format!(
+                "tapline: upstream {} sent no response within {:.0?}",
+                state.upstream_base, state.config.response_timeout
+            );
+            return local_failure(
+                guard.take(),
+                api,
+                StatusCode::GATEWAY_TIMEOUT,
+                Outcome::Timeout,
+                "upstream_timeout",
+                message,
+            );
+        }
+    };
+
+    let (mut rparts, rbody) = response.into_parts();
+    remove_hop_by_hop(&mut rparts.headers);
+    let content_encoding = rparts
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+        .filter(|e| !e.eq_ignore_ascii_case("identity"));
+    let streamed = rparts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.starts_with("text/event-stream"));
+    {
+        let capture = guard.0.as_mut().expect("capture is present until taken");
+        let call = &mut capture.call;
+        call.streamed = streamed;
+        call.http_status = u32::from(rparts.status.as_u16());
+        call.response_headers = recorded_headers(&rparts.headers, &state.config.recorded_headers);
+        if let Some(version) = rparts
+            .headers
+            .get("x-tapline-policy-version")
+            .and_then(|v| v.to_str().ok())
+        {
+            call.policy_version = version.to_owned();
+        }
+        capture.content_encoding = content_encoding.clone();
+    }
+    if let Ok(v) = HeaderValue::from_str(&span_id) {
+        rparts.headers.insert(SPAN_ID_HEADER, v);
+    }
+    let strip = injected.any() && rparts.status.is_success() && content_encoding.is_none();
+    if strip && !streamed {
+        // A JSON body is rewritten whole: read it, remove the injected fields, send it.
+        let idle = state.config.idle_timeout;
+        let body = match tokio::time::timeout(idle, rbody.collect()).await {
+            Ok(Ok(body)) => body.to_bytes(),
+            Ok(Err(error)) => {
+                let message = format!(
+                    "tapline: upstream {} failed: {}",
+                    state.upstream_base,
+                    error_chain(&error)
+                );
+                return local_failure(
+                    guard.take(),
+                    api,
+                    StatusCode::BAD_GATEWAY,
+                    Outcome::UpstreamError,
+                    "upstream_error",
+                    message,
+                );
+            }
+            Err(_) => {
+                let message = format!(
+                    "tapline: upstream {} sent no body within {idle:.0?}",
+                    state.upstream_base
+                );
+                return local_failure(
+                    guard.take(),
+                    api,
+                    StatusCode::GATEWAY_TIMEOUT,
+                    Outcome::Timeout,
+                    "upstream_timeout",
+                    message,
+                );
+            }
+        };
+        let mut capture = guard.take();
+        capture.push(&body);
+        let stripped = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|mut v| strip_injected(&mut v, injected).then_some(v))
+            .and_then(|v| serde_json::to_vec(&v).ok())
+            .map_or(body, Bytes::from);
+        state
+            .metrics
+            .response_bytes
+            .fetch_add(stripped.len() as u64, Ordering::Relaxed);
+        rparts.headers.remove(header::CONTENT_LENGTH);
+        capture.finish(Outcome::Ok, None);
+        state
+            .metrics
+            .added_latency(sent_at.duration_since(started) + head_at.elapsed());
+        return Response::from_parts(rparts, full_body(stripped));
+    }
+    let rewrite = if strip {
+        rparts.headers.remove(header::CONTENT_LENGTH);
+        Rewrite::Sse(SseRewriter {
+            pending: Vec::new(),
+            injected,
+        })
+    } else {
+        Rewrite::None
+    };
+    let idle_timeout = state.config.idle_timeout;
+    let body = CaptureBody {
+        inner: rbody,
+        capture: Some(guard.take()),
+        rewrite,
+        idle_timeout,
+        idle: Box::pin(tokio::time::sleep(idle_timeout)),
+        done: false,
+    };
+    state
+        .metrics
+        .added_latency(sent_at.duration_since(started) + head_at.elapsed());
+    Response::from_parts(rparts, body.boxed_unsync())
+}
+
+fn attributed(a: &crate::episodes::Attribution, sidecar_id: &str) -> LlmCall {
+    LlmCall {
+        episode_id: a.episode_id.clone(),
+        task_id: a.task_id.clone(),
+        group_id: a.group_id.clone(),
+        seq: a.seq,
+        sidecar_id: sidecar_id.to_owned(),
+        tags: a.tags.clone(),
+        ..Default::default()
+    }
+}
+
+/// Answers for the upstream (502/504/400) and records the call with that outcome.
+fn local_failure(
+    mut capture: Capture,
+    api: Api,
+    status: StatusCode,
+    outcome: Outcome,
+    code: &str,
+    message: String,
+) -> Response<RespBody> {
+    tracing::warn!(upstream = %capture.state.upstream_base, %status, "{message}");
+    let mut resp = api_error(api, status, code, &message);
+    if let Ok(v) = HeaderValue::from_str(&capture.call.span_id) {
+        resp.headers_mut().insert(SPAN_ID_HEADER, v);
+    }
+    capture.call.http_status = u32::from(status.as_u16());
+    capture.finish(outcome, Some(message));
+    resp
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apis_are_told_apart_by_path() {
+        let post = http::Method::POST;
+        assert_eq!(api_of(&post, "/v1/chat/completions"), Api::ChatCompletions);
+        assert_eq!(api_of(&post, "/v1/completions"), Api::Completions);
+        assert_eq!(api_of(&post, "/v1/responses"), Api::Responses);
+        assert_eq!(api_of(&post, "/v1/messages"), Api::AnthropicMessages);
+        assert_eq!(api_of(&post, "/v1/messages/count_tokens"), Api::Other);
+        assert_eq!(api_of(&http::Method::GET, "/v1/models"), Api::Other);
+    }
+
+    #[test]
+    fn episode_prefixes_are_split_off() {
+        assert_eq!(
+            split_episode_prefix("/e/abc/v1/chat/completions?x=1"),
+            Some(("abc", "/v1/chat/completions?x=1".to_owned()))
+        );
+        assert_eq!(
+            split_episode_prefix("/e/abc"),
+            Some(("abc", "/".to_owned()))
+        );
+        assert_eq!(split_episode_prefix("/v1/e/abc"), None);
+    }
+
+    #[test]
+    fn injection_respects_what_the_harness_asked() {
+        let body = br#"{"model":"m","messages":[],"logprobs":true,"top_logprobs":2}"#;
+        let (new, inj) = inject(UpstreamKind::Vllm, Api::ChatCompletions, body).unwrap();
+        assert_eq!(
+            inj,
+            Injected {
+                token_ids: true,
+                logprobs: false
+            }
+        );
+        let v: Value = serde_json::from_slice(&new).unwrap();
+        assert_eq!(v["return_token_ids"], true);
+        assert_eq!(v["top_logprobs"], 2);
+        assert!(inject(UpstreamKind::Openai, Api::ChatCompletions, body).is_none());
+        let (new, inj) = inject(
+            UpstreamKind::Sglang,
+            Api::ChatCompletions,
+            br#"{"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            inj,
+            Injected {
+                token_ids: false,
+                logprobs: true
+            }
+        );
+        assert!(!String::from_utf8_lossy(&new).contains("return_token_ids"));
+        let (new, _) = inject(UpstreamKind::Vllm, Api::Completions, br#"{"prompt":"p"}"#).unwrap();
+        assert_eq!(
+            serde_json::from_slice::<Value>(&new).unwrap()["logprobs"],
+            0
+        );
+    }
+
+    #[test]
+    fn sse_rewriting_keeps_untouched_events_byte_for_byte_at_any_split() {
+        let stream = b"data: {\"id\":\"x\",\"prompt_token_ids\":[1,2],\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"token_ids\":[5],\"logprobs\":{\"content\":[]}}]}\r\n\r\n: keep-alive\n\ndata: {\"id\":\"x\",\"choices\":[]}\n\ndata: [DONE]\n\n";
+        let injected = Injected {
+            token_ids: true,
+            logprobs: true,
+        };
+        let whole = {
+            let mut r = SseRewriter {
+                injected,
+                ..Default::default()
+            };
+            let mut out = r.push(stream).to_vec();
+            out.extend_from_slice(&r.finish());
+            out
+        };
+        let text = String::from_utf8(whole.clone()).unwrap();
+        assert_eq!(
+            text,
+            "data: {\"id\":\"x\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"logprobs\":null}]}\r\n\r\n: keep-alive\n\ndata: {\"id\":\"x\",\"choices\":[]}\n\ndata: [DONE]\n\n"
+        );
+        for split in 0..stream.len() {
+            let mut r = SseRewriter {
+                injected,
+                ..Default::default()
+            };
+            let mut out = r.push(&stream[..split]).to_vec();
+            out.extend_from_slice(&r.push(&stream[split..]));
+            out.extend_from_slice(&r.finish());
+            assert_eq!(out, whole, "split at {split}");
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The HTTP server: one listener for proxied traffic, the control API and `/metrics`,
+//! and the start/stop life cycle of a sidecar.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response, header};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::episodes::Episodes;
+use crate::metrics::Metrics;
+use crate::proxy::{RespBody, UpBody, full_body};
+use crate::sink::{RecordSink, Recorder, RecorderOptions};
+
+/// The upstream HTTP client (HTTP/1.1, pooled keep-alive connections, http and https).
+pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, UpBody>;
+
+/// Everything a request handler needs.
+#[derive(Debug)]
+pub struct AppState {
+    /// Validated settings.
+    pub config: Config,
+    /// Upstream base URL without a trailing slash; request paths are appended to it.
+    pub upstream_base: String,
+    /// Store URL, safe to log.
+    pub store_display: String,
+    /// Client for the upstream.
+    pub client: UpstreamClient,
+    /// Where records go.
+    pub sink: Arc<dyn RecordSink>,
+    /// Open episodes and the binding.
+    pub episodes: Episodes,
+    /// Counters.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Builds the upstream client from the settings.
+pub fn upstream_client(config: &Config) -> anyhow::Result<UpstreamClient> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_webpki_roots()
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .timer(TokioTimer::new())
+        .build(https))
+}
+
+/// Routes one request: `/metrics`, the control API, or the proxy.
+pub async fn handle(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+) -> Result<Response<RespBody>, Infallible> {
+    let path = req.uri().path();
+    if path == "/metrics" && req.method() == http::Method::GET {
+        let mut resp = Response::new(full_body(state.metrics.render(state.episodes.open())));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        return Ok(resp);
+    }
+    if path == "/tapline" || path.starts_with("/tapline/") {
+        return Ok(crate::control::handle(state, req).await);
+    }
+    Ok(crate::proxy::proxy(state, req).await)
+}
+
+/// A running sidecar.
+#[derive(Debug)]
+pub struct Sidecar {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    stop: watch::Sender<bool>,
+    server: JoinHandle<()>,
+    uploader: JoinHandle<()>,
+    recorder: Arc<Recorder>,
+}
+
+impl Sidecar {
+    /// Binds the listener, opens the store and starts serving.
+    pub async fn start(config: Config) -> anyhow::Result<Sidecar> {
+        let store = tapline_proto::store::open_store(&config.store)?;
+        std::fs::create_dir_all(&config.spool_dir)
+            .map_err(|e| anyhow::anyhow!("spool directory {}: {e}", config.spool_dir.display()))?;
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
+        let addr = listener.local_addr()?;
+        let metrics = Arc::new(Metrics::default());
+        let (recorder, uploader) = Recorder::start(
+            store.clone(),
+            RecorderOptions {
+                sidecar_id: config.sidecar_id.clone(),
+                max_records: config.segment_max_records,
+                max_age: config.segment_max_age,
+                zstd_level: config.zstd_level,
+                queue_capacity: 65_536,
+            },
+            metrics.clone(),
+        );
+        let upstream_base = config.upstream.to_string().trim_end_matches('/').to_owned();
+        let state = Arc::new(AppState {
+            client: upstream_client(&config)?,
+            upstream_base,
+            store_display: store.display.clone(),
+            sink: recorder.clone(),
+            episodes: Episodes::default(),
+            metrics,
+            config,
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let server = tokio::spawn(accept_loop(listener, state.clone(), stop_rx));
+        Ok(Sidecar {
+            addr,
+            state,
+            stop,
+            server,
+            uploader,
+            recorder,
+        })
+    }
+
+    /// The address the sidecar listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Shared state (for tests and metrics).
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// One line saying where the sidecar listens, forwards and records.
+    pub fn describe(&self) -> String {
+        format!(
+            "tapline-sidecar {} listening on http://{}, forwarding to {} ({}), recording to {} as sidecar {:?}",
+            env!("CARGO_PKG_VERSION"),
+            self.addr,
+            self.state.upstream_base,
+            self.state.config.upstream_kind.as_str(),
+            self.state.store_display,
+            self.state.config.sidecar_id,
+        )
+    }
+
+    /// Stops accepting connections, lets open responses finish for up to `drain`, then
+    /// uploads queued records for up to `flush`.
+    pub async fn shutdown(self, drain: Duration, flush: Duration) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(drain, self.server).await.is_err() {
+            tracing::warn!(
+                ?drain,
+                "open connections did not finish in time; closing them"
+            );
+        }
+        self.recorder.close();
+        if tokio::time::timeout(flush, self.uploader).await.is_err() {
+            tracing::error!(
+                ?flush,
+                "records still queued after the flush timeout were not stored"
+            );
+        }
+    }
+}
+
+async fn accept_loop(listener: TcpListener, state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = match accepted {
+                    Ok(conn) => conn,
+                    Err(error) => {
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let state = state.clone();
+                let service = service_fn(move |req| handle(state.clone(), req));
+                let conn = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .keep_alive(true)
+                    .serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    if let Err(error) = conn.await {
+                        tracing::debug!(%error, "connection ended with an error");
+                    }
+                });
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    graceful.shutdown().await;
+}

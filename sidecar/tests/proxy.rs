@@ -1,0 +1,774 @@
+//! The proxy against a scripted upstream: transparency, streaming, failures, capture,
+//! token fidelity and the control API.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http::StatusCode;
+use http_body_util::{BodyExt, Full};
+use serde_json::{Value, json};
+use tapline_proto::{Api, Outcome, RecordKind};
+use tapline_sidecar::config::UpstreamKind;
+use tokio::sync::Notify;
+
+const CHAT_JSON: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"m-1","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_a","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}"#;
+
+/// A chat stream with text, two tool calls whose arguments arrive in fragments, and usage.
+const CHAT_SSE: &str = concat!(
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Caf\u{e9} \"},\"finish_reason\":null}]}\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"finish_reason\":null}]}\r\n\r\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\":\"}}]},\"finish_reason\":null}]}\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"call_2\",\"type\":\"function\",\"function\":{\"name\":\"g\",\"arguments\":\"\"}}]},\"finish_reason\":null}]}\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\" 1}\"}},{\"index\":1,\"function\":{\"arguments\":\"{}\"}}]},\"finish_reason\":null}]}\n\n",
+    ": keep-alive comment\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m-1\",\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":9,\"total_tokens\":14}}\n\n",
+    "data: [DONE]\n\n",
+);
+
+fn chat_request(stream: bool) -> String {
+    json!({"model": "m-1", "stream": stream, "messages": [{"role": "user", "content": "weather?"}]})
+        .to_string()
+}
+
+#[tokio::test]
+async fn non_streaming_calls_pass_through_and_are_recorded() {
+    let upstream = Upstream::start(|_| {
+        let mut s = Script::json(CHAT_JSON);
+        s.headers.push(("x-request-id".into(), "req-9".into()));
+        s.headers.push(("set-cookie".into(), "secret=1".into()));
+        s
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let client = client();
+    let mut req = post(
+        sidecar.local_addr(),
+        "/e/ep-1/v1/chat/completions?x=1",
+        chat_request(false),
+    );
+    req.headers_mut()
+        .insert("authorization", "Bearer sk-secret".parse().unwrap());
+    req.headers_mut()
+        .insert("x-tapline-task-id", "task-7".parse().unwrap());
+    req.headers_mut()
+        .insert("x-tapline-tag-variant", "b".parse().unwrap());
+    let (status, headers, body) = send(&client, req).await;
+
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, CHAT_JSON.as_bytes());
+    assert_eq!(headers["x-request-id"], "req-9");
+    assert_eq!(
+        headers["set-cookie"], "secret=1",
+        "the client still gets every header"
+    );
+    let span_id = headers["x-tapline-span-id"].to_str().unwrap().to_owned();
+
+    let seen = upstream.last();
+    assert_eq!(seen.path, "/v1/chat/completions?x=1");
+    assert_eq!(
+        seen.body,
+        chat_request(false).as_bytes(),
+        "the request body is forwarded unchanged"
+    );
+    assert_eq!(seen.headers["authorization"], "Bearer sk-secret");
+    assert!(
+        seen.headers
+            .keys()
+            .all(|k| !k.as_str().starts_with("x-tapline-"))
+    );
+
+    let call = calls(&store, 1).await.remove(0);
+    assert_eq!(call.span_id, span_id);
+    assert_eq!(call.episode_id, "ep-1");
+    assert_eq!(call.task_id, "task-7");
+    assert_eq!(call.tags["variant"], "b");
+    assert_eq!(call.api(), Api::ChatCompletions);
+    assert_eq!(call.outcome(), Outcome::Ok);
+    assert_eq!(call.http_status, 200);
+    assert_eq!(call.path, "/v1/chat/completions?x=1");
+    assert!(!call.streamed);
+    assert_eq!(call.request_body, chat_request(false).as_bytes());
+    assert_eq!(call.response_body, CHAT_JSON.as_bytes());
+    assert_eq!(call.request_model, "m-1");
+    assert_eq!(call.response_model, "m-1");
+    assert!(
+        call.start_unix_nanos <= call.first_byte_unix_nanos
+            && call.first_byte_unix_nanos <= call.end_unix_nanos
+    );
+    let completion = &call.completions[0];
+    assert_eq!(completion.finish_reason, "tool_calls");
+    assert_eq!(completion.tool_calls[0].name, "get_weather");
+    assert_eq!(completion.tool_calls[0].arguments, r#"{"city":"Paris"}"#);
+    assert_eq!(call.usage.unwrap().total_tokens, 19);
+    assert!(!call.request_headers.contains_key("authorization"));
+    assert!(!call.response_headers.contains_key("set-cookie"));
+    assert_eq!(call.request_headers["content-type"], "application/json");
+    assert_eq!(call.response_headers["x-request-id"], "req-9");
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn sse_split_at_every_byte_boundary_arrives_unchanged_and_rebuilds_the_same() {
+    let stream = CHAT_SSE.as_bytes();
+    let split = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let s2 = split.clone();
+    let upstream = Upstream::start(move |_| {
+        let at = s2.load(Ordering::SeqCst);
+        Script::sse(vec![
+            Bytes::from_static(&CHAT_SSE.as_bytes()[..at]),
+            Bytes::from_static(&CHAT_SSE.as_bytes()[at..]),
+        ])
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.segment_max_records = Some(10_000)
+    })
+    .await;
+    let client = client();
+    for at in 0..=stream.len() {
+        split.store(at, Ordering::SeqCst);
+        let (status, headers, body) = send(
+            &client,
+            post(
+                sidecar.local_addr(),
+                "/v1/chat/completions",
+                chat_request(true),
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers["content-type"], "text/event-stream; charset=utf-8");
+        assert_eq!(body, stream, "split at {at}");
+    }
+    let calls = calls(&store, stream.len() + 1).await;
+    let first = &calls[0];
+    assert!(first.streamed);
+    let c = &first.completions[0];
+    assert_eq!(c.text, "Caf\u{e9} ok");
+    assert_eq!(c.finish_reason, "tool_calls");
+    assert_eq!(c.tool_calls.len(), 2);
+    assert_eq!(
+        (
+            c.tool_calls[0].id.as_str(),
+            c.tool_calls[0].name.as_str(),
+            c.tool_calls[0].arguments.as_str()
+        ),
+        ("call_1", "f", "{\"a\": 1}")
+    );
+    assert_eq!(
+        (
+            c.tool_calls[1].name.as_str(),
+            c.tool_calls[1].arguments.as_str()
+        ),
+        ("g", "{}")
+    );
+    assert_eq!(first.usage.unwrap().completion_tokens, 9);
+    for call in &calls {
+        assert_eq!(call.completions, first.completions);
+        assert_eq!(call.response_body, stream);
+        assert_eq!(call.outcome(), Outcome::Ok);
+    }
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn stream_chunks_reach_the_client_before_the_upstream_sends_the_next() {
+    let gate = Arc::new(Notify::new());
+    let g2 = gate.clone();
+    let upstream = Upstream::start(move |_| {
+        let mut s = Script::sse(vec![
+            Bytes::from_static(b"data: {\"a\":1}\n\n"),
+            Bytes::from_static(b"data: [DONE]\n\n"),
+        ]);
+        s.gate = Some((1, g2.clone()));
+        s
+    })
+    .await;
+    let (sidecar, _store) = sidecar(&upstream.url(), |_| {}).await;
+    let resp = client()
+        .request(post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    // The second chunk is only sent after the first one reached us.
+    let first = tokio::time::timeout(Duration::from_secs(5), next_chunk(&mut body))
+        .await
+        .expect("first chunk arrives before the stream ends");
+    assert_eq!(first.unwrap(), Bytes::from_static(b"data: {\"a\":1}\n\n"));
+    gate.notify_one();
+    assert_eq!(
+        next_chunk(&mut body).await.unwrap(),
+        Bytes::from_static(b"data: [DONE]\n\n")
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn unreachable_upstream_gets_502_in_the_shape_of_the_api() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (sidecar, store) = sidecar(&format!("http://{closed}"), |_| {}).await;
+    let client = client();
+    let (status, headers, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(false),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert!(headers.contains_key("x-tapline-span-id"));
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "upstream_unreachable");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&closed.to_string())
+    );
+
+    let (status, _, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/v1/messages",
+            r#"{"model":"claude","messages":[]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "api_error");
+
+    let calls = calls(&store, 2).await;
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.outcome() == Outcome::UpstreamUnreachable && c.http_status == 502)
+    );
+    assert_eq!(calls[1].api(), Api::AnthropicMessages);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn slow_upstream_gets_504_and_a_silent_stream_is_cut() {
+    let upstream = Upstream::start(|r| {
+        if r.path.contains("slow-head") {
+            let mut s = Script::json(CHAT_JSON);
+            s.head_delay = Duration::from_secs(3);
+            s
+        } else {
+            let mut s = Script::sse(vec![
+                Bytes::from_static(b"data: {\"a\":1}\n\n"),
+                Bytes::from_static(b"data: [DONE]\n\n"),
+            ]);
+            s.gate = Some((1, Arc::new(Notify::new()))); // never released
+            s
+        }
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.response_timeout_secs = Some(0.3);
+        raw.idle_timeout_secs = Some(0.3);
+    })
+    .await;
+    let client = client();
+    let (status, _, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/slow-head/v1/chat/completions",
+            chat_request(false),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap()["error"]["code"],
+        "upstream_timeout"
+    );
+
+    let resp = client
+        .request(post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let result = resp.into_body().collect().await;
+    assert!(
+        result.is_err(),
+        "a stream cut by the idle timeout is not a complete body"
+    );
+
+    let calls = calls(&store, 2).await;
+    assert_eq!(calls[0].outcome(), Outcome::Timeout);
+    assert_eq!(calls[0].http_status, 504);
+    assert_eq!(calls[1].outcome(), Outcome::Timeout);
+    assert_eq!(
+        calls[1].response_body, b"data: {\"a\":1}\n\n",
+        "what arrived before the cut is kept"
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn an_error_mid_stream_is_passed_on_and_recorded() {
+    let upstream = Upstream::start(|_| {
+        let mut s = Script::sse(vec![Bytes::from_static(
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"par\"}}]}\n\n",
+        )]);
+        s.abort_after_chunks = true;
+        s
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let resp = client()
+        .request(post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ))
+        .await
+        .unwrap();
+    assert!(
+        resp.into_body().collect().await.is_err(),
+        "the client sees the broken stream"
+    );
+    let call = calls(&store, 1).await.remove(0);
+    assert_eq!(call.outcome(), Outcome::UpstreamError);
+    assert_eq!(call.completions[0].text, "par");
+    assert!(
+        call.error.contains("upstream body failed"),
+        "{}",
+        call.error
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_cancels_the_upstream_and_is_recorded() {
+    let many: Vec<Bytes> = (0..200)
+        .map(|i| {
+            Bytes::from(format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i} \"}}}}]}}\n\n"
+            ))
+        })
+        .collect();
+    let upstream = Upstream::start(move |_| {
+        let mut s = Script::sse(many.clone());
+        s.chunk_delay = Duration::from_millis(10);
+        s
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let resp = client()
+        .request(post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    next_chunk(&mut body).await.unwrap();
+    next_chunk(&mut body).await.unwrap();
+    drop(body);
+    let call = calls(&store, 1).await.remove(0);
+    assert_eq!(call.outcome(), Outcome::ClientAborted);
+    assert!(
+        call.completions[0].text.starts_with("t0 t1 "),
+        "{}",
+        call.completions[0].text
+    );
+    assert!(!call.completions[0].text.contains("t199"));
+    for _ in 0..100 {
+        if upstream.cancelled.load(Ordering::SeqCst) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        upstream.cancelled.load(Ordering::SeqCst),
+        "the upstream request was cancelled"
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn bodies_over_the_capture_cap_pass_whole_and_are_recorded_as_prefixes() {
+    let big_response = Bytes::from(vec![b'x'; 300_000]);
+    let br = big_response.clone();
+    let upstream = Upstream::start(move |_| Script::json(br.clone())).await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| raw.capture_cap_bytes = Some(1000)).await;
+    let big_request = format!("{{\"model\":\"m\",\"pad\":\"{}\"}}", "y".repeat(200_000));
+    let (status, _, body) = send(
+        &client(),
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            big_request.clone(),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, big_response);
+    assert_eq!(upstream.last().body, big_request.as_bytes());
+    let call = calls(&store, 1).await.remove(0);
+    assert!(call.request_truncated && call.response_truncated);
+    assert_eq!(call.request_body, &big_request.as_bytes()[..1000]);
+    assert_eq!(call.response_body.len(), 1000);
+    assert_eq!(call.request_body_size, big_request.len() as u64);
+    assert_eq!(call.response_body_size, 300_000);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+const VLLM_JSON: &str = r#"{"id":"chatcmpl-v","object":"chat.completion","created":1,"model":"qwen","choices":[{"index":0,"message":{"role":"assistant","content":"Hi!"},"logprobs":{"content":[{"token":"Hi","logprob":-0.5,"bytes":[72,105],"top_logprobs":[]},{"token":"!","logprob":-0.25,"bytes":[33],"top_logprobs":[]},{"token":"<|im_end|>","logprob":-0.125,"bytes":[],"top_logprobs":[]}]},"finish_reason":"stop","token_ids":[9707,0,151645]}],"usage":{"prompt_tokens":3,"total_tokens":6,"completion_tokens":3},"prompt_token_ids":[1,2,3]}"#;
+
+const VLLM_SSE: &str = concat!(
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}],\"prompt_token_ids\":[1,2,3]}\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"},\"logprobs\":{\"content\":[{\"token\":\"Hi\",\"logprob\":-0.5,\"bytes\":[72,105],\"top_logprobs\":[]}]},\"finish_reason\":null,\"token_ids\":[9707]}]}\n\n",
+    "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"!\"},\"logprobs\":{\"content\":[{\"token\":\"!\",\"logprob\":-0.25,\"bytes\":[33],\"top_logprobs\":[]}]},\"finish_reason\":\"stop\",\"token_ids\":[0]}]}\n\n",
+    "data: [DONE]\n\n",
+);
+
+#[tokio::test]
+async fn vllm_upstreams_return_token_ids_that_the_client_never_sees() {
+    let upstream = Upstream::start(|r| {
+        let req: Value = serde_json::from_slice(&r.body).unwrap();
+        if req["stream"] == true {
+            Script::sse(vec![Bytes::from_static(VLLM_SSE.as_bytes())])
+        } else {
+            Script::json(VLLM_JSON)
+        }
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.upstream_kind = Some(UpstreamKind::Vllm)
+    })
+    .await;
+    let client = client();
+
+    let (status, headers, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(false),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let sent: Value = serde_json::from_slice(&upstream.last().body).unwrap();
+    assert_eq!(
+        (sent["return_token_ids"].clone(), sent["logprobs"].clone()),
+        (json!(true), json!(true))
+    );
+    let got: Value = serde_json::from_slice(&body).unwrap();
+    assert!(got.get("prompt_token_ids").is_none());
+    assert!(got["choices"][0].get("token_ids").is_none());
+    assert_eq!(got["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(got["choices"][0]["message"]["content"], "Hi!");
+    assert_eq!(
+        headers
+            .get("content-length")
+            .map(|v| v.to_str().unwrap().parse::<usize>().unwrap()),
+        Some(body.len())
+    );
+
+    let (_, _, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ),
+    )
+    .await;
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    assert!(!text.contains("token_ids"), "{text}");
+    assert!(!text.contains("logprob\""), "{text}");
+    assert!(text.contains("\"content\":\"Hi\"") && text.ends_with("data: [DONE]\n\n"));
+
+    // A harness that asked for logprobs itself keeps them.
+    let own = json!({"model": "m", "messages": [], "logprobs": true}).to_string();
+    let (_, _, body) = send(
+        &client,
+        post(sidecar.local_addr(), "/v1/chat/completions", own),
+    )
+    .await;
+    let got: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(got["choices"][0]["logprobs"]["content"][0]["logprob"], -0.5);
+    assert!(got["choices"][0].get("token_ids").is_none());
+
+    let calls = calls(&store, 3).await;
+    for call in &calls[..2] {
+        assert!(call.token_fields_injected);
+        assert_eq!(call.prompt_token_ids, [1, 2, 3]);
+        assert_eq!(call.completions[0].text, "Hi!");
+        assert_eq!(
+            call.request_body,
+            chat_request(call.streamed).as_bytes(),
+            "the record keeps the client's own request"
+        );
+    }
+    assert_eq!(calls[0].completions[0].token_ids, [9707, 0, 151645]);
+    assert_eq!(calls[0].completions[0].logprobs, [-0.5, -0.25, -0.125]);
+    assert_eq!(calls[1].completions[0].token_ids, [9707, 0]);
+    assert_eq!(calls[1].completions[0].logprobs, [-0.5, -0.25]);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn openai_upstreams_get_nothing_injected() {
+    let upstream = Upstream::start(|_| Script::json(CHAT_JSON)).await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    send(
+        &client(),
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(false),
+        ),
+    )
+    .await;
+    assert_eq!(upstream.last().body, chat_request(false).as_bytes());
+    assert!(!calls(&store, 1).await[0].token_fields_injected);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+async fn control(
+    client: &TestClient,
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: Value,
+    token: Option<&str>,
+) -> (StatusCode, Value) {
+    let mut req = post(addr, path, body.to_string());
+    if let Some(t) = token {
+        req.headers_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    let (status, _, body) = send(client, req).await;
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+#[tokio::test]
+async fn control_api_episodes_rewards_binding_and_errors() {
+    let upstream = Upstream::start(|_| Script::json(CHAT_JSON)).await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.control_token = Some("tok".into())
+    })
+    .await;
+    let addr = sidecar.local_addr();
+    let client = client();
+
+    let (status, v) = control(
+        &client,
+        addr,
+        "/tapline/v1/episodes",
+        json!({"task_id": "t"}),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("control token")
+    );
+
+    let (status, ep) = control(
+        &client,
+        addr,
+        "/tapline/v1/episodes",
+        json!({"task_id": "t", "group_id": "g", "metadata": {"seed": 3, "note": "x"}, "bind": true}),
+        Some("tok"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{ep}");
+    let id = ep["episode_id"].as_str().unwrap().to_owned();
+    assert_eq!(ep["base_url"], format!("http://{addr}/e/{id}/v1"));
+
+    // An unmodified harness (no prefix, no headers) is attributed to the bound episode.
+    let (_, headers, _) = send(
+        &client,
+        post(addr, "/v1/chat/completions", chat_request(false)),
+    )
+    .await;
+    let span = headers["x-tapline-span-id"].to_str().unwrap().to_owned();
+
+    for (body, code) in [
+        (json!({"value": "NaN"}), "invalid_value"),
+        (json!({}), "invalid_value"),
+        (json!({"value": 1, "bogus": 2}), "invalid_json"),
+        (json!({"value": 1, "span_id": "a/b"}), "invalid_span_id"),
+    ] {
+        let (status, v) = control(
+            &client,
+            addr,
+            &format!("/tapline/v1/episodes/{id}/rewards"),
+            body,
+            Some("tok"),
+        )
+        .await;
+        assert_eq!(
+            (status, v["error"]["code"].as_str().unwrap()),
+            (StatusCode::BAD_REQUEST, code),
+            "{v}"
+        );
+    }
+    let (status, _) = control(
+        &client,
+        addr,
+        &format!("/tapline/v1/episodes/{id}/rewards"),
+        json!({"value": 0.75}),
+        Some("tok"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _) = control(
+        &client,
+        addr,
+        &format!("/tapline/v1/episodes/{id}/rewards"),
+        json!({"value": 1, "name": "format_ok", "span_id": span}),
+        Some("tok"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, v) = control(
+        &client,
+        addr,
+        &format!("/tapline/v1/episodes/{id}/end"),
+        json!({"status": "finished"}),
+        Some("tok"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("succeeded")
+    );
+    let (status, v) = control(
+        &client,
+        addr,
+        &format!("/tapline/v1/episodes/{id}/end"),
+        json!({"status": "succeeded"}),
+        Some("tok"),
+    )
+    .await;
+    assert_eq!((status, v["calls"].as_u64()), (StatusCode::OK, Some(1)));
+
+    let (status, _, body) = send(
+        &client,
+        http::Request::get(format!("http://{addr}/tapline/v1/health"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap()["status"],
+        "ok"
+    );
+    let (_, _, metrics) = send(
+        &client,
+        http::Request::get(format!("http://{addr}/metrics"))
+            .body(Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    let metrics = String::from_utf8(metrics.to_vec()).unwrap();
+    assert!(
+        metrics.contains("tapline_requests_total{api=\"chat_completions\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tapline_added_latency_seconds_count 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tapline_control_errors_total 6"),
+        "{metrics}"
+    );
+
+    // After the end, the binding is gone.
+    send(
+        &client,
+        post(addr, "/v1/chat/completions", chat_request(false)),
+    )
+    .await;
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(2))
+        .await;
+
+    let records = records(&store).await;
+    let mut kinds = Vec::new();
+    for r in &records {
+        match r.kind.as_ref().unwrap() {
+            RecordKind::EpisodeEvent(e) => kinds.push(format!(
+                "event:{}:{}",
+                e.kind().as_str_name(),
+                e.metadata.get("seed").cloned().unwrap_or_default()
+            )),
+            RecordKind::Reward(rw) => kinds.push(format!(
+                "reward:{}:{}:{}",
+                rw.name,
+                rw.value,
+                rw.span_id == span
+            )),
+            RecordKind::LlmCall(c) => kinds.push(format!("call:{}", c.episode_id == id)),
+        }
+    }
+    assert_eq!(
+        kinds,
+        [
+            "event:EPISODE_EVENT_KIND_START:3",
+            "call:true",
+            "reward::0.75:false",
+            "reward:format_ok:1:true",
+            "event:EPISODE_EVENT_KIND_END:",
+            "call:false",
+        ]
+    );
+}
