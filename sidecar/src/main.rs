@@ -32,6 +32,9 @@ struct ServeArgs {
     /// Seconds to let open responses finish on SIGTERM/SIGINT.
     #[arg(long, env = "TAPLINE_DRAIN_SECS", default_value_t = 30.0)]
     drain_secs: f64,
+    /// Threads that serve connections [default: one per core].
+    #[arg(long, env = "TAPLINE_WORKER_THREADS")]
+    worker_threads: Option<usize>,
     /// Seconds to keep uploading queued records on SIGTERM/SIGINT.
     #[arg(long, env = "TAPLINE_FLUSH_SECS", default_value_t = 30.0)]
     flush_secs: f64,
@@ -40,7 +43,7 @@ struct ServeArgs {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Proxy LLM traffic and record it (the default command).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print every record in a store as one JSON object per line.
     Dump {
         /// Store URL: file:///dir, s3://bucket/prefix, gs://, az://, memory://, or a directory.
@@ -72,7 +75,7 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             })
         }
-        Some(Command::Serve(args)) => serve(args),
+        Some(Command::Serve(args)) => serve(*args),
         None => serve(cli.serve),
     }
 }

@@ -405,7 +405,10 @@ struct CaptureBody {
     capture: Option<Capture>,
     rewrite: Rewrite,
     idle_timeout: Duration,
+    /// Fires at the idle deadline; re-armed lazily (resetting a timer per frame is costly).
     idle: Pin<Box<tokio::time::Sleep>>,
+    /// When the last frame arrived.
+    last_frame: tokio::time::Instant,
     done: bool,
 }
 
@@ -442,8 +445,7 @@ impl Body for CaptureBody {
             }
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
-                    let deadline = tokio::time::Instant::now() + this.idle_timeout;
-                    this.idle.as_mut().reset(deadline);
+                    this.last_frame = tokio::time::Instant::now();
                     let Some(data) = frame.data_ref() else {
                         return Poll::Ready(Some(Ok(frame)));
                     };
@@ -483,7 +485,13 @@ impl Body for CaptureBody {
                     });
                 }
                 Poll::Pending => {
-                    if this.idle.as_mut().poll(cx).is_ready() {
+                    while this.idle.as_mut().poll(cx).is_ready() {
+                        let deadline = this.last_frame + this.idle_timeout;
+                        if deadline > tokio::time::Instant::now() {
+                            // Frames arrived since the timer was armed: wait the rest.
+                            this.idle.as_mut().reset(deadline);
+                            continue;
+                        }
                         let message = format!(
                             "upstream sent nothing for {:.0?}; response cut",
                             this.idle_timeout
@@ -695,11 +703,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         .fetch_add(read_len as u64, Ordering::Relaxed);
     let request_bytes = concat(&chunks, read_len);
     let captured_request = request_bytes.slice(..read_len.min(cap));
-    let request_model = if remainder.is_none() {
-        serde_json::from_slice::<Value>(&request_bytes)
-            .ok()
-            .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_owned))
-            .unwrap_or_default()
+    let request_model = if remainder.is_none() && api != Api::Other {
+        request_model(&request_bytes)
     } else {
         String::new()
     };
@@ -932,12 +937,27 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         rewrite,
         idle_timeout,
         idle: Box::pin(tokio::time::sleep(idle_timeout)),
+        last_frame: tokio::time::Instant::now(),
         done: false,
     };
     state
         .metrics
         .added_latency(sent_at.duration_since(started) + head_at.elapsed());
     Response::from_parts(rparts, body.boxed_unsync())
+}
+
+/// The `model` of a JSON request body, without building a JSON tree.
+fn request_model(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct ModelOnly<'a> {
+        #[serde(borrow)]
+        model: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_slice::<ModelOnly<'_>>(body)
+        .ok()
+        .and_then(|m| m.model)
+        .map(|m| m.into_owned())
+        .unwrap_or_default()
 }
 
 fn attributed(a: &crate::episodes::Attribution, sidecar_id: &str) -> LlmCall {

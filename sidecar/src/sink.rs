@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use object_store::{PutMode, PutOptions, PutPayload};
 use tapline_proto::keys::SegmentKey;
-use tapline_proto::segment::encode_segment;
+use tapline_proto::segment::SegmentWriter;
 use tapline_proto::store::StoreLocation;
 use tapline_proto::{EpisodeEventKind, Record, RecordKind};
 use tokio::sync::mpsc;
@@ -113,86 +113,100 @@ impl RecordSink for Recorder {
     }
 }
 
+/// A segment being written: records are compressed as they arrive, so cutting a segment
+/// costs no burst of CPU.
+struct OpenSegment {
+    writer: SegmentWriter<Vec<u8>>,
+    key: Option<SegmentKey>,
+    opened: Instant,
+}
+
+/// Largest uncompressed body of one segment before it is cut.
+const MAX_SEGMENT_BODY_BYTES: u64 = 8 << 20;
+
 async fn upload_loop(
     store: StoreLocation,
     options: RecorderOptions,
     mut rx: mpsc::Receiver<Record>,
     metrics: Arc<Metrics>,
 ) {
-    let mut batch: Vec<Record> = Vec::new();
-    let mut opened = Instant::now();
+    let mut open: Option<OpenSegment> = None;
     loop {
         let closing = metrics.recorder_closed.load(Ordering::Relaxed) != 0;
-        let wait = if batch.is_empty() {
-            Duration::from_millis(200)
-        } else {
-            options.max_age.saturating_sub(opened.elapsed())
+        let wait = match &open {
+            None => Duration::from_millis(200),
+            Some(seg) => options.max_age.saturating_sub(seg.opened.elapsed()),
         };
         let received = if closing {
             rx.try_recv().ok()
         } else {
-            match tokio::time::timeout(wait, rx.recv()).await {
-                Ok(Some(record)) => Some(record),
-                Ok(None) => None,
-                Err(_) => None,
-            }
+            tokio::time::timeout(wait, rx.recv()).await.ok().flatten()
         };
         let mut cut = false;
         if let Some(record) = received {
-            if batch.is_empty() {
-                opened = Instant::now();
+            if open.is_none() {
+                match SegmentWriter::new(Vec::new(), options.zstd_level) {
+                    Ok(writer) => {
+                        open = Some(OpenSegment {
+                            writer,
+                            key: SegmentKey::new(
+                                &options.sidecar_id,
+                                record.sidecar_seq,
+                                record.written_unix_nanos,
+                            )
+                            .ok(),
+                            opened: Instant::now(),
+                        })
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "cannot start a segment; record dropped");
+                        metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                }
             }
             let episode_end = matches!(
                 &record.kind,
                 Some(RecordKind::EpisodeEvent(e)) if e.kind() == EpisodeEventKind::End
             );
-            batch.push(record);
-            cut = episode_end || batch.len() >= options.max_records;
-        } else if !batch.is_empty() && (closing || opened.elapsed() >= options.max_age) {
-            cut = true;
+            if let Some(seg) = &mut open {
+                if let Err(error) = seg.writer.append(&record) {
+                    tracing::error!(%error, "cannot append to a segment; record dropped");
+                    metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                cut = episode_end
+                    || seg.writer.records() >= options.max_records as u64
+                    || seg.writer.body_bytes() >= MAX_SEGMENT_BODY_BYTES;
+            }
+        } else if let Some(seg) = &open {
+            cut = closing || seg.opened.elapsed() >= options.max_age;
         }
-        if cut {
-            let records = std::mem::take(&mut batch);
-            upload(&store, &options, records, &metrics).await;
+        if cut && let Some(seg) = open.take() {
+            upload(&store, seg, &metrics).await;
         }
-        if closing && batch.is_empty() && rx.is_empty() {
+        if closing && open.is_none() && rx.is_empty() {
             return;
         }
     }
 }
 
-/// Uploads one segment, retrying with exponential backoff until it is stored.
-async fn upload(
-    store: &StoreLocation,
-    options: &RecorderOptions,
-    records: Vec<Record>,
-    metrics: &Metrics,
-) {
-    let Some(first) = records.first() else { return };
-    let key = match SegmentKey::new(
-        &options.sidecar_id,
-        first.sidecar_seq,
-        first.written_unix_nanos,
-    ) {
-        Ok(key) => key.to_path(&store.prefix),
+/// Finishes a segment and uploads it, retrying with exponential backoff until stored.
+async fn upload(store: &StoreLocation, segment: OpenSegment, metrics: &Metrics) {
+    let (bytes, summary) = match segment.writer.finish() {
+        Ok(done) => done,
         Err(error) => {
-            tracing::error!(%error, "cannot name segment; records dropped");
+            tracing::error!(%error, "cannot finish segment; its records are lost");
             return;
         }
     };
-    let level = options.zstd_level;
-    let encoded = tokio::task::spawn_blocking(move || encode_segment(&records, level)).await;
-    let (bytes, summary) = match encoded {
-        Ok(Ok(done)) => done,
-        Ok(Err(error)) => {
-            tracing::error!(%error, "cannot encode segment; records dropped");
-            return;
-        }
-        Err(error) => {
-            tracing::error!(%error, "segment encoder panicked; records dropped");
-            return;
-        }
+    let Some(key) = segment.key else {
+        tracing::error!("segment has no valid key; its records are lost");
+        return;
     };
+    if summary.records == 0 {
+        return;
+    }
+    let key = key.to_path(&store.prefix);
     let payload = PutPayload::from(bytes);
     let mut backoff = Duration::from_millis(100);
     loop {

@@ -6,13 +6,16 @@
   with SIGTERM at teardown); `sidecar` is one pointed at the fake upstream.
 
 The binary is `$TAPLINE_SIDECAR_BIN`, by default `target/debug/tapline-sidecar` of this
-workspace (build it with `cargo build -p tapline-sidecar`).
+workspace (build it with `cargo build -p tapline-sidecar`). The session works on a
+snapshot of it (a hard link or copy), so that a concurrent `cargo build` replacing the
+file does not disturb a running suite.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +34,8 @@ from fake_upstream import FakeUpstream  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SIDECAR_BIN = Path(os.environ.get("TAPLINE_SIDECAR_BIN") or REPO_ROOT / "target" / "debug" / "tapline-sidecar")
+# How long to wait for the binary to reappear while a concurrent `cargo build` relinks it.
+BIN_WAIT = 60.0
 
 START_TIMEOUT = 15.0
 STOP_TIMEOUT = 20.0
@@ -67,10 +72,32 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) ->
     return status, {k.lower(): v for k, v in headers.items()}, parsed
 
 
+def clean_env() -> dict[str, str]:
+    """The environment without TAPLINE_* settings (they would override the flags' absence),
+    except the log filter."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TAPLINE_") or k == "TAPLINE_LOG"}
+
+
+def snapshot_binary(dest_dir: Path) -> Path:
+    """A private snapshot of the sidecar binary (hard link, else copy)."""
+    deadline = time.monotonic() + BIN_WAIT
+    while not SIDECAR_BIN.is_file():
+        if time.monotonic() > deadline:
+            pytest.fail(f"sidecar binary {SIDECAR_BIN} not found: run `cargo build -p tapline-sidecar` or set TAPLINE_SIDECAR_BIN")
+        time.sleep(0.2)
+    dest = dest_dir / "tapline-sidecar"
+    try:
+        os.link(SIDECAR_BIN, dest)
+    except OSError:
+        shutil.copy2(SIDECAR_BIN, dest)
+    return dest
+
+
 class Sidecar:
     """One `tapline-sidecar` process and the store it records to."""
 
-    def __init__(self, upstream_url: str, workdir: Path, extra_args: list[str] | None = None):
+    def __init__(self, bin_path: Path, upstream_url: str, workdir: Path, extra_args: list[str] | None = None):
+        self.bin = bin_path
         self.upstream_url = upstream_url
         self.workdir = workdir
         self.store_dir = workdir / "store"
@@ -87,13 +114,11 @@ class Sidecar:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Sidecar":
-        if not SIDECAR_BIN.is_file():
-            pytest.fail(f"sidecar binary {SIDECAR_BIN} not found: run `cargo build -p tapline-sidecar` or set TAPLINE_SIDECAR_BIN")
         # The port is picked before the sidecar binds it; retry if someone took it meanwhile.
         for _attempt in range(3):
             self.port = free_port()
             args = [
-                str(SIDECAR_BIN),
+                str(self.bin),
                 "--listen", f"127.0.0.1:{self.port}",
                 "--upstream", self.upstream_url,
                 "--store", self.store_url,
@@ -102,7 +127,7 @@ class Sidecar:
                 "--segment-max-age-secs", "0.2",
                 *self.extra_args,
             ]  # fmt: skip
-            env = {k: v for k, v in os.environ.items() if not k.startswith("TAPLINE_")}
+            env = clean_env()
             env.setdefault("TAPLINE_LOG", "info")
             log = open(self.log_path, "ab")
             try:
@@ -164,10 +189,10 @@ class Sidecar:
         if not self.store_dir.exists():
             return []
         out = subprocess.run(
-            [str(SIDECAR_BIN), "dump", "--store", self.store_url],
+            [str(self.bin), "dump", "--store", self.store_url],
             capture_output=True,
             timeout=30,
-            env={k: v for k, v in os.environ.items() if not k.startswith("TAPLINE_")},
+            env=clean_env(),
         )
         assert out.returncode == 0, f"dump failed ({out.returncode}): {out.stderr.decode(errors='replace')}"
         return [json.loads(line) for line in out.stdout.decode().splitlines() if line.strip()]
@@ -197,6 +222,11 @@ def payloads(records: list[dict], kind: str) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def sidecar_bin(tmp_path_factory) -> Path:
+    return snapshot_binary(tmp_path_factory.mktemp("bin"))
+
+
+@pytest.fixture(scope="session")
 def fake_upstream():
     with FakeUpstream() as up:
         yield up
@@ -209,13 +239,13 @@ def upstream(fake_upstream: FakeUpstream) -> FakeUpstream:
 
 
 @pytest.fixture
-def start_sidecar(tmp_path: Path):
+def start_sidecar(tmp_path: Path, sidecar_bin: Path):
     started: list[Sidecar] = []
 
     def start(upstream_url: str, extra_args: list[str] | None = None) -> Sidecar:
         workdir = tmp_path / f"sidecar{len(started)}"
         workdir.mkdir()
-        sc = Sidecar(upstream_url, workdir, extra_args)
+        sc = Sidecar(sidecar_bin, upstream_url, workdir, extra_args)
         started.append(sc)
         return sc.start()
 

@@ -21,15 +21,21 @@ deliberately split across two chunks), flushed after each chunk, so they really 
 Every request is recorded (`requests`) with its path, headers and parsed JSON body, and
 every response body is kept (`responses`) byte for byte, for assertions.
 
-A request whose `model` is `GATED_MODEL` streams its first event, then waits until
-`release_gate()` is called (at most `GATE_TIMEOUT` seconds) before sending the rest; it
-lets a test prove that a proxy forwards events as they arrive.
+Streams end the way ASGI servers end them: the last event and the chunked-encoding
+terminator (`0\r\n\r\n`) in one write. Two models change that, for tests about timing:
+
+- `GATED_MODEL`: the first event is sent, then the server waits until `release_gate()`
+  is called (at most `GATE_TIMEOUT` seconds) before sending the rest; it lets a test prove
+  that a proxy forwards events as they arrive.
+- `END_GATED_MODEL`: every event is sent, then the server waits for `release_gate()`
+  before sending the terminator, like a server that is slow to close its response.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -70,6 +76,7 @@ ANTHROPIC_OUTPUT_TOKENS = 11
 ANTHROPIC_CACHE_READ_TOKENS = 3
 
 GATED_MODEL = "gated-model"
+END_GATED_MODEL = "end-gated-model"
 GATE_TIMEOUT = 10.0
 
 
@@ -103,7 +110,8 @@ class SentResponse:
     status: int
     streamed: bool
     body: bytes = b""
-    complete: bool = False
+    complete: bool = False  # the whole body, terminator included, was written
+    broken: bool = False  # the peer went away before the body was written
 
 
 def _tool_names(body: dict) -> list[str]:
@@ -193,29 +201,40 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         return sent
 
-    def _chunk(self, sent: SentResponse, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+    def _chunk(self, sent: SentResponse, data: bytes, last: bool = False) -> None:
+        out = b"%x\r\n%s\r\n" % (len(data), data)
+        if last:
+            out += b"0\r\n\r\n"
+        self.wfile.write(out)
         self.wfile.flush()
         sent.body += data
 
-    def _end_stream(self, sent: SentResponse) -> None:
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
-        sent.complete = True
+    def _wait_gate(self) -> None:
+        if not self.server.gate.wait(GATE_TIMEOUT):
+            self.server.gate_timed_out = True
 
-    def _send_events(self, sent: SentResponse, events: list[bytes], gated: bool) -> None:
-        for n, event in enumerate(events):
-            if n == 2 and len(event) > 10:
-                # One event split across two HTTP chunks: proxies must reassemble it.
-                half = len(event) // 2
-                self._chunk(sent, event[:half])
-                self._chunk(sent, event[half:])
-            else:
-                self._chunk(sent, event)
-            if gated and n == 0:
-                if not self.server.gate.wait(GATE_TIMEOUT):
-                    self.server.gate_timed_out = True
-        self._end_stream(sent)
+    def _send_events(self, sent: SentResponse, events: list[bytes], model: str) -> None:
+        try:
+            for n, event in enumerate(events):
+                last = n == len(events) - 1 and model != END_GATED_MODEL
+                if n == 2 and not last and len(event) > 10:
+                    # One event split across two HTTP chunks: proxies must reassemble it.
+                    half = len(event) // 2
+                    self._chunk(sent, event[:half])
+                    self._chunk(sent, event[half:])
+                else:
+                    self._chunk(sent, event, last=last)
+                if n == 0 and model == GATED_MODEL:
+                    self._wait_gate()
+            if model == END_GATED_MODEL:
+                self._wait_gate()
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            sent.broken = True
+            self.close_connection = True
+            return
+        sent.complete = True
 
     # -- routes -----------------------------------------------------------------------
 
@@ -318,7 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
             events.append(chunk([], usage=OPENAI_USAGE))
         events.append(b"data: [DONE]\n\n")
         sent = self._start_stream()
-        self._send_events(sent, events, gated=model == GATED_MODEL)
+        self._send_events(sent, events, model)
 
     # Anthropic messages ---------------------------------------------------------------
 
@@ -427,7 +446,7 @@ class _Handler(BaseHTTPRequestHandler):
         )
         events.append(event("message_stop", {"type": "message_stop"}))
         sent = self._start_stream()
-        self._send_events(sent, events, gated=model == GATED_MODEL)
+        self._send_events(sent, events, model)
 
 
 class _Server(ThreadingHTTPServer):
@@ -500,6 +519,18 @@ class FakeUpstream:
             self._server.responses.clear()
         self._server.gate.clear()
         self._server.gate_timed_out = False
+
+    def wait_responses_finished(self, timeout: float = 10.0) -> list[SentResponse]:
+        """Waits until every response was written to its end (or its peer went away);
+        a client can finish reading before the server thread marks a response done."""
+        deadline = time.monotonic() + timeout
+        while True:
+            responses = self.responses
+            if all(r.complete or r.broken for r in responses):
+                return responses
+            if time.monotonic() > deadline:
+                raise AssertionError(f"responses still being written after {timeout}s: {responses}")
+            time.sleep(0.01)
 
     def release_gate(self) -> None:
         assert self._server is not None

@@ -84,7 +84,7 @@ def check_record_common(call: dict, *, api: str, path: str, streamed: bool, upst
     `upstream.requests[-1]` and `upstream.responses[-1]` must be the request and response
     of the call through the sidecar; `direct_req` the request of the direct call."""
     via_req = upstream.requests[-1]
-    sent = upstream.responses[-1]
+    sent = upstream.wait_responses_finished()[-1]
     assert sent.complete and sent.status == 200 and sent.streamed == streamed
 
     assert call["api"] == api
@@ -260,6 +260,30 @@ def test_openai_stream_events_are_forwarded_as_they_arrive(upstream, sidecar):
     call = only_call(sidecar.records())
     assert call["streamed"] is True
     assert call["completions"][0]["text"] == fake.TEXT
+    check_outcome_ok(call)
+
+
+def test_openai_stream_closed_by_the_client_after_done_is_recorded_ok(upstream, sidecar):
+    """The OpenAI SDK stops reading at `data: [DONE]` and closes the response without
+    waiting for the end of the HTTP body (the chunked terminator), which servers send in
+    a separate write, sometimes a little later. The client got every event, so the call
+    is complete and must not be recorded as client_aborted. Here the fake upstream holds
+    the terminator until the client is done, which makes the timing deterministic."""
+    client = openai_client(f"{sidecar.url}/v1")
+    try:
+        chunks = list(client.chat.completions.create(model=fake.END_GATED_MODEL, messages=MESSAGES, stream=True))
+    finally:
+        client.close()
+        upstream.release_gate()
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == fake.TEXT
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    call = only_call(sidecar.records())
+    assert not upstream.gate_timed_out
+    assert call["streamed"] is True
+    assert call["response_body"].endswith("data: [DONE]\n\n")
+    assert call["completions"][0]["text"] == fake.TEXT
+    assert call["completions"][0]["finish_reason"] == "stop"
+    assert call["capture_warnings"] == []
     check_outcome_ok(call)
 
 
