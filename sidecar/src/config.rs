@@ -77,9 +77,22 @@ pub struct RawConfig {
     /// Seconds of silence allowed between two chunks of a response body [default: 600].
     #[arg(long, env = "TAPLINE_IDLE_TIMEOUT_SECS")]
     pub idle_timeout_secs: Option<f64>,
-    /// Records per uploaded segment before it is cut [default: 1000].
+    /// Records per uploaded segment before it is cut [default: 100000].
     #[arg(long, env = "TAPLINE_SEGMENT_MAX_RECORDS")]
     pub segment_max_records: Option<usize>,
+    /// Uncompressed bytes per segment before it is cut [default: 8388608].
+    #[arg(long, env = "TAPLINE_SEGMENT_MAX_BYTES")]
+    pub segment_max_bytes: Option<u64>,
+    /// Hard cap of the spool's size on disk, in bytes [default: 1073741824].
+    #[arg(long, env = "TAPLINE_SPOOL_MAX_BYTES")]
+    pub spool_max_bytes: Option<u64>,
+    /// When the spool is full: `drop` the new record and flag its episode (never holds
+    /// back traffic), or `block` responses until uploads free space [default: drop].
+    #[arg(long, env = "TAPLINE_SPOOL_FULL_POLICY", value_enum)]
+    pub spool_full_policy: Option<crate::sink::FullPolicy>,
+    /// Milliseconds between fsyncs of the spool [default: 100].
+    #[arg(long, env = "TAPLINE_FSYNC_INTERVAL_MS")]
+    pub fsync_interval_ms: Option<u64>,
     /// Seconds a segment may stay open before it is cut [default: 10].
     #[arg(long, env = "TAPLINE_SEGMENT_MAX_AGE_SECS")]
     pub segment_max_age_secs: Option<f64>,
@@ -150,6 +163,14 @@ pub struct Config {
     pub idle_timeout: Duration,
     /// Records per segment.
     pub segment_max_records: usize,
+    /// Uncompressed bytes per segment.
+    pub segment_max_bytes: u64,
+    /// Spool size cap.
+    pub spool_max_bytes: u64,
+    /// Full-spool policy.
+    pub spool_full_policy: crate::sink::FullPolicy,
+    /// fsync interval.
+    pub fsync_interval: Duration,
     /// Segment age limit.
     pub segment_max_age: Duration,
     /// zstd level.
@@ -199,6 +220,10 @@ impl RawConfig {
                 .or(fallback.response_timeout_secs),
             idle_timeout_secs: self.idle_timeout_secs.or(fallback.idle_timeout_secs),
             segment_max_records: self.segment_max_records.or(fallback.segment_max_records),
+            segment_max_bytes: self.segment_max_bytes.or(fallback.segment_max_bytes),
+            spool_max_bytes: self.spool_max_bytes.or(fallback.spool_max_bytes),
+            spool_full_policy: self.spool_full_policy.or(fallback.spool_full_policy),
+            fsync_interval_ms: self.fsync_interval_ms.or(fallback.fsync_interval_ms),
             segment_max_age_secs: self.segment_max_age_secs.or(fallback.segment_max_age_secs),
             zstd_level: self.zstd_level.or(fallback.zstd_level),
         }
@@ -295,9 +320,24 @@ impl RawConfig {
                 ))
             }
         };
-        let segment_max_records = self.segment_max_records.unwrap_or(1000);
+        let segment_max_records = self.segment_max_records.unwrap_or(100_000);
         if segment_max_records == 0 {
             return Err(bad("segment-max-records", "must be at least 1"));
+        }
+        let segment_max_bytes = self.segment_max_bytes.unwrap_or(8 << 20);
+        if segment_max_bytes == 0 {
+            return Err(bad("segment-max-bytes", "must be at least 1"));
+        }
+        let spool_max_bytes = self.spool_max_bytes.unwrap_or(1 << 30);
+        if spool_max_bytes < 4096 {
+            return Err(bad(
+                "spool-max-bytes",
+                format!("{spool_max_bytes} is too small; use at least 4096"),
+            ));
+        }
+        let fsync_interval_ms = self.fsync_interval_ms.unwrap_or(100);
+        if fsync_interval_ms == 0 {
+            return Err(bad("fsync-interval-ms", "must be at least 1"));
         }
         let zstd_level = self
             .zstd_level
@@ -323,6 +363,12 @@ impl RawConfig {
             response_timeout: secs("response-timeout-secs", self.response_timeout_secs, 600.0)?,
             idle_timeout: secs("idle-timeout-secs", self.idle_timeout_secs, 600.0)?,
             segment_max_records,
+            segment_max_bytes,
+            spool_max_bytes,
+            spool_full_policy: self
+                .spool_full_policy
+                .unwrap_or(crate::sink::FullPolicy::Drop),
+            fsync_interval: Duration::from_millis(fsync_interval_ms),
             segment_max_age: secs("segment-max-age-secs", self.segment_max_age_secs, 10.0)?,
             zstd_level,
         })

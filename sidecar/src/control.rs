@@ -93,15 +93,15 @@ async fn route(
                 .and_then(|h| h.to_str().ok())
                 .map(str::to_owned)
                 .unwrap_or_else(|| state.config.listen.to_string());
-            create_episode(state, &host, read_json(req).await?)
+            create_episode(state, &host, read_json(req).await?).await
         }
         (Method::POST, ["episodes", id, "rewards"]) => {
             let id = episode_id(id)?;
-            add_reward(state, &id, read_json(req).await?)
+            add_reward(state, &id, read_json(req).await?).await
         }
         (Method::POST, ["episodes", id, "end"]) => {
             let id = episode_id(id)?;
-            end_episode(state, &id, read_json(req).await?)
+            end_episode(state, &id, read_json(req).await?).await
         }
         (_, ["health"] | ["episodes"] | ["episodes", _, "rewards" | "end"]) => Err(err(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -186,8 +186,8 @@ async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Api
     })
 }
 
-fn submit(state: &AppState, kind: RecordKind) -> Result<(), ApiError> {
-    state.sink.submit(kind).map_err(|_| {
+async fn submit(state: &AppState, kind: RecordKind) -> Result<(), ApiError> {
+    state.sink.submit(kind).await.map_err(|_| {
         err(
             StatusCode::SERVICE_UNAVAILABLE,
             "record_dropped",
@@ -221,7 +221,7 @@ struct CreateEpisode {
     bind: bool,
 }
 
-fn create_episode(
+async fn create_episode(
     state: &AppState,
     host: &str,
     req: CreateEpisode,
@@ -260,7 +260,8 @@ fn create_episode(
             bound: req.bind,
             ..Default::default()
         }),
-    )?;
+    )
+    .await?;
     state.episodes.create(
         &episode_id,
         EpisodeInfo {
@@ -294,7 +295,7 @@ struct AddReward {
     tags: BTreeMap<String, String>,
 }
 
-fn add_reward(
+async fn add_reward(
     state: &AppState,
     episode_id: &str,
     req: AddReward,
@@ -335,7 +336,8 @@ fn add_reward(
             time_unix_nanos: now_nanos(),
             tags: req.tags,
         }),
-    )?;
+    )
+    .await?;
     Ok(reply(
         StatusCode::CREATED,
         json!({"reward_id": reward_id, "episode_id": episode_id}),
@@ -350,7 +352,7 @@ struct EndEpisode {
     metadata: BTreeMap<String, Value>,
 }
 
-fn end_episode(
+async fn end_episode(
     state: &AppState,
     episode_id: &str,
     req: EndEpisode,
@@ -386,7 +388,8 @@ fn end_episode(
             dropped_records: info.dropped_records,
             bound: false,
         }),
-    )?;
+    )
+    .await?;
     Ok(reply(
         StatusCode::OK,
         json!({
@@ -401,10 +404,14 @@ fn end_episode(
 
 fn health(state: &AppState) -> Response<RespBody> {
     let m = &state.metrics;
+    let store_error = state.recorder.as_ref().and_then(|r| r.store_error());
     reply(
         StatusCode::OK,
         json!({
-            "status": "ok",
+            "status": if store_error.is_some() { "degraded" } else { "ok" },
+            "store_error": store_error,
+            "spool_records": m.spool_records.load(Ordering::Relaxed),
+            "spool_bytes": m.spool_bytes.load(Ordering::Relaxed),
             "sidecar_id": state.config.sidecar_id,
             "upstream": state.upstream_base,
             "upstream_kind": state.config.upstream_kind.as_str(),

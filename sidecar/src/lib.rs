@@ -8,7 +8,8 @@
 //! - [`episodes`]: episode registry and call attribution.
 //! - [`sse`]: incremental server-sent-event framing.
 //! - [`rebuild`]: completions, usage and token ids rebuilt from a response body or stream.
-//! - [`sink`]: the [`sink::RecordSink`] interface and the segment uploader behind it.
+//! - [`sink`]: the [`sink::RecordSink`] interface, the spool writer and the uploader.
+//! - [`spool`]: the local spool (append-only, checksummed files) and its recovery.
 //! - [`metrics`]: Prometheus counters.
 //! - [`dump`]: prints every record of a store as JSON lines (`tapline-sidecar dump`).
 
@@ -21,4 +22,5 @@ pub mod proxy;
 pub mod rebuild;
 pub mod server;
 pub mod sink;
+pub mod spool;
 pub mod sse;

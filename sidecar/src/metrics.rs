@@ -38,10 +38,26 @@ pub struct Metrics {
     pub control_requests: AtomicU64,
     /// Control API requests refused with 4xx.
     pub control_errors: AtomicU64,
-    /// Records accepted by the record queue.
-    pub records_queued: AtomicU64,
-    /// Records dropped (queue full or closed).
+    /// Records written to the spool (captured).
+    pub records_spooled: AtomicU64,
+    /// Records dropped (spool full or failing, queue full, shutting down).
     pub records_dropped: AtomicU64,
+    /// Bytes of spool files (gauge).
+    pub spool_bytes: AtomicU64,
+    /// Records in the spool not yet acknowledged by the store (gauge).
+    pub spool_records: AtomicU64,
+    /// `written_unix_nanos` of the oldest unacknowledged record, 0 if none (gauge).
+    pub oldest_unacked_nanos: AtomicU64,
+    /// Spool files found torn by a crash at start.
+    pub spool_torn_files: AtomicU64,
+    /// Bytes cut off torn spool files at start.
+    pub spool_torn_bytes: AtomicU64,
+    /// Uncompressed body bytes of uploaded segments.
+    pub uncompressed_bytes: AtomicU64,
+    /// Upload attempts that retried a failed one.
+    pub upload_retries: AtomicU64,
+    /// Upload failures that retrying will not fix (credentials, missing bucket).
+    pub upload_permanent_errors: AtomicU64,
     /// Records in uploaded segments.
     pub records_stored: AtomicU64,
     /// Segments uploaded.
@@ -54,8 +70,6 @@ pub struct Metrics {
     pub capture_warnings: AtomicU64,
     /// Calls that could not be recorded at all.
     pub capture_failures: AtomicU64,
-    /// Set once the recorder stops accepting records.
-    pub recorder_closed: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_nanos: AtomicU64,
@@ -125,7 +139,7 @@ impl Metrics {
             .iter()
             .map(|o| get(&self.outcomes[*o as usize]))
             .sum();
-        let counters: [(&str, &str, u64); 13] = [
+        let counters: [(&str, &str, u64); 18] = [
             (
                 "tapline_errors_total",
                 "Proxied calls that did not end ok.",
@@ -153,12 +167,12 @@ impl Metrics {
             ),
             (
                 "tapline_records_total",
-                "Records accepted for storage.",
-                get(&self.records_queued),
+                "Records captured (written to the spool).",
+                get(&self.records_spooled),
             ),
             (
                 "tapline_records_dropped_total",
-                "Records dropped before storage.",
+                "Records dropped before reaching the spool.",
                 get(&self.records_dropped),
             ),
             (
@@ -177,9 +191,34 @@ impl Metrics {
                 get(&self.stored_bytes),
             ),
             (
+                "tapline_uncompressed_bytes_total",
+                "Uncompressed bytes of segments acknowledged by the store.",
+                get(&self.uncompressed_bytes),
+            ),
+            (
                 "tapline_upload_failures_total",
                 "Failed segment upload attempts.",
                 get(&self.upload_failures),
+            ),
+            (
+                "tapline_upload_retries_total",
+                "Upload attempts that retried a failed one.",
+                get(&self.upload_retries),
+            ),
+            (
+                "tapline_upload_permanent_errors_total",
+                "Upload failures retries will not fix (credentials, bucket).",
+                get(&self.upload_permanent_errors),
+            ),
+            (
+                "tapline_spool_torn_files_total",
+                "Spool files found torn by a crash at start.",
+                get(&self.spool_torn_files),
+            ),
+            (
+                "tapline_spool_torn_bytes_total",
+                "Bytes cut off torn spool files at start.",
+                get(&self.spool_torn_bytes),
             ),
             (
                 "tapline_capture_warnings_total",
@@ -198,10 +237,40 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
             );
         }
-        let _ = writeln!(
-            out,
-            "# HELP tapline_open_episodes Episodes created and not yet ended.\n# TYPE tapline_open_episodes gauge\ntapline_open_episodes {open_episodes}"
-        );
+        let oldest = get(&self.oldest_unacked_nanos);
+        let age = if oldest == 0 {
+            0.0
+        } else {
+            (crate::sink::now_nanos().max(0) as u64).saturating_sub(oldest) as f64 / 1e9
+        };
+        let gauges: [(&str, &str, String); 4] = [
+            (
+                "tapline_open_episodes",
+                "Episodes created and not yet ended.",
+                open_episodes.to_string(),
+            ),
+            (
+                "tapline_spool_bytes",
+                "Bytes of spool files on disk.",
+                get(&self.spool_bytes).to_string(),
+            ),
+            (
+                "tapline_spool_records",
+                "Records in the spool not yet acknowledged by the store.",
+                get(&self.spool_records).to_string(),
+            ),
+            (
+                "tapline_oldest_unacked_age_seconds",
+                "Age of the oldest record not yet acknowledged by the store.",
+                format!("{age:.3}"),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        }
         let _ = writeln!(
             out,
             "# HELP tapline_added_latency_seconds Time the sidecar adds before the response head reaches the client."

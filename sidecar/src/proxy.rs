@@ -34,7 +34,7 @@ use crate::config::{NEVER_RECORDED, UpstreamKind};
 use crate::episodes::{Hints, valid_episode_id};
 use crate::rebuild;
 use crate::server::AppState;
-use crate::sink::now_nanos;
+use crate::sink::{Dropped, now_nanos};
 
 /// Error type of response bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -320,22 +320,37 @@ impl Capture {
         }
     }
 
-    /// Completes the record on another task, so the response is not held up.
-    fn finish(mut self, outcome: Outcome, error: Option<String>) {
+    fn close(&mut self, outcome: Outcome, error: Option<String>) {
         self.call.end_unix_nanos = now_nanos();
         self.call.outcome = outcome as i32;
         if let Some(error) = error {
             self.call.error = error;
         }
+    }
+
+    /// Completes and queues the record on another task (nothing waits for it).
+    fn finish(mut self, outcome: Outcome, error: Option<String>) {
+        self.close(outcome, error);
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
-                handle.spawn(async move { self.record() });
+                handle.spawn(async move {
+                    let ack = self.record();
+                    let _ = ack.await;
+                });
             }
-            Err(_) => self.record(),
+            Err(_) => {
+                let _ = self.record();
+            }
         }
     }
 
-    fn record(mut self) {
+    /// Completes and queues the record now; the ack resolves once it is in the spool.
+    fn finish_acked(mut self, outcome: Outcome, error: Option<String>) -> Spooled {
+        self.close(outcome, error);
+        self.record()
+    }
+
+    fn record(mut self) -> Spooled {
         let call = &mut self.call;
         if let Some(size) = &self.request_size {
             call.request_body_size = size.load(Ordering::Relaxed);
@@ -385,18 +400,52 @@ impl Capture {
             metrics.capture_warnings.fetch_add(1, Ordering::Relaxed);
         }
         let episode_id = call.episode_id.clone();
-        if self
-            .state
-            .sink
-            .submit(RecordKind::LlmCall(self.call))
-            .is_err()
-        {
-            metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
-            if !episode_id.is_empty() {
-                self.state.episodes.note_dropped(&episode_id);
+        let ack = self.state.sink.submit(RecordKind::LlmCall(self.call));
+        let state = self.state;
+        Box::pin(async move {
+            let result = ack.await;
+            if result.is_err() {
+                state
+                    .metrics
+                    .capture_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                if !episode_id.is_empty() {
+                    state.episodes.note_dropped(&episode_id);
+                }
             }
-        }
+            result
+        })
     }
+}
+
+/// Byte patterns that mark the last event of a stream, by API. A client may close the
+/// connection as soon as it saw this event (the openai SDK does at `[DONE]`), so the
+/// call is complete here, whatever follows.
+fn terminal_markers(api: Api) -> &'static [&'static [u8]] {
+    match api {
+        Api::ChatCompletions | Api::Completions => &[b"data: [DONE]", b"data:[DONE]"],
+        Api::AnthropicMessages => &[b"event: message_stop", b"event:message_stop"],
+        Api::Responses => &[
+            b"event: response.completed",
+            b"event: response.incomplete",
+            b"event: response.failed",
+        ],
+        Api::Other | Api::Unspecified => &[],
+    }
+}
+
+/// How many bytes of the previous chunk to keep to find a marker split across chunks.
+const MARKER_WINDOW: usize = 32;
+
+/// Resolves once a record is in the spool (or was dropped, counted and flagged).
+type Spooled = Pin<Box<dyn std::future::Future<Output = Result<(), Dropped>> + Send>>;
+
+/// The last frame of a response, held back until its record is in the spool.
+struct Held {
+    ack: Spooled,
+    frame: Option<Frame<Bytes>>,
+    /// Gives up waiting after this (policy `drop`); `None` waits as long as it takes.
+    timeout: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 /// The response body handed to the client: the upstream body, teed into the capture.
@@ -409,15 +458,43 @@ struct CaptureBody {
     idle: Pin<Box<tokio::time::Sleep>>,
     /// When the last frame arrived.
     last_frame: tokio::time::Instant,
+    /// Terminal-event patterns to watch for (streams only).
+    markers: &'static [&'static [u8]],
+    /// The end of the previous chunk, to find markers split across chunks.
+    window: Vec<u8>,
+    /// The last event's marker arrived; the event ends at the next blank line.
+    marker_seen: bool,
+    held: Option<Held>,
     done: bool,
 }
 
 impl CaptureBody {
     fn finish(&mut self, outcome: Outcome, error: Option<String>) {
-        self.done = true;
         if let Some(capture) = self.capture.take() {
             capture.finish(outcome, error);
         }
+    }
+
+    /// Records the call as complete and holds `frame` until the record is spooled.
+    fn hold(&mut self, frame: Option<Frame<Bytes>>) {
+        let Some(capture) = self.capture.take() else {
+            self.held = Some(Held {
+                ack: Box::pin(std::future::ready(Ok(()))),
+                frame,
+                timeout: None,
+            });
+            return;
+        };
+        let timeout = capture
+            .state
+            .ack_wait
+            .map(|d| Box::pin(tokio::time::sleep(d)));
+        let ack = capture.finish_acked(Outcome::Ok, None);
+        self.held = Some(Held {
+            ack,
+            frame,
+            timeout,
+        });
     }
 
     fn sent(&self, n: usize) {
@@ -428,6 +505,45 @@ impl CaptureBody {
                 .fetch_add(n as u64, Ordering::Relaxed);
         }
     }
+
+    /// Whether the stream's last event is complete with `data`: its marker was seen and
+    /// the blank line that ends that event has arrived.
+    fn is_terminal(&mut self, data: &[u8]) -> bool {
+        if self.markers.is_empty() || self.capture.is_none() {
+            return false;
+        }
+        self.window.extend_from_slice(data);
+        if !self.marker_seen {
+            let end = self
+                .markers
+                .iter()
+                .filter_map(|m| find(&self.window, m).map(|at| at + m.len()))
+                .min();
+            match end {
+                Some(end) => {
+                    self.marker_seen = true;
+                    self.window.drain(..end);
+                }
+                None => {
+                    let keep = self.window.len().saturating_sub(MARKER_WINDOW);
+                    self.window.drain(..keep);
+                    return false;
+                }
+            }
+        }
+        let complete = [&b"\n\n"[..], b"\r\n\r\n", b"\r\r"]
+            .iter()
+            .any(|blank| find(&self.window, blank).is_some());
+        if !complete {
+            let keep = self.window.len().saturating_sub(4);
+            self.window.drain(..keep);
+        }
+        complete
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 impl Body for CaptureBody {
@@ -440,6 +556,30 @@ impl Body for CaptureBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         loop {
+            if let Some(held) = &mut this.held {
+                let acked = held.ack.as_mut().poll(cx).is_ready();
+                let gave_up = !acked
+                    && held
+                        .timeout
+                        .as_mut()
+                        .is_some_and(|t| t.as_mut().poll(cx).is_ready());
+                if !acked && !gave_up {
+                    return Poll::Pending;
+                }
+                if gave_up {
+                    tracing::warn!(
+                        "record not spooled in time; sending the end of the response anyway"
+                    );
+                }
+                let frame = this.held.take().and_then(|h| h.frame);
+                match frame {
+                    Some(frame) => return Poll::Ready(Some(Ok(frame))),
+                    None => {
+                        this.done = true;
+                        return Poll::Ready(None);
+                    }
+                }
+            }
             if this.done {
                 return Poll::Ready(None);
             }
@@ -452,19 +592,39 @@ impl Body for CaptureBody {
                     if let Some(capture) = &mut this.capture {
                         capture.push(data);
                     }
-                    let out = match &mut this.rewrite {
-                        Rewrite::None => {
-                            this.sent(data.len());
-                            return Poll::Ready(Some(Ok(frame)));
-                        }
+                    let terminal = this.is_terminal(data);
+                    let last = this.inner.is_end_stream();
+                    let mut out = match &mut this.rewrite {
+                        Rewrite::None => frame.into_data().unwrap_or_default(),
                         Rewrite::Sse(rewriter) => rewriter.push(data),
                     };
+                    if terminal || last {
+                        if let Rewrite::Sse(rewriter) = &mut this.rewrite {
+                            let tail = rewriter.finish();
+                            if !tail.is_empty() {
+                                let mut joined = BytesMut::from(&out[..]);
+                                joined.extend_from_slice(&tail);
+                                out = joined.freeze();
+                            }
+                        }
+                        this.sent(out.len());
+                        let frame = (!out.is_empty()).then(|| Frame::data(out));
+                        if this.capture.is_some() {
+                            this.hold(frame);
+                            continue;
+                        }
+                        if let Some(frame) = frame {
+                            return Poll::Ready(Some(Ok(frame)));
+                        }
+                        continue;
+                    }
                     if !out.is_empty() {
                         this.sent(out.len());
                         return Poll::Ready(Some(Ok(Frame::data(out))));
                     }
                 }
                 Poll::Ready(Some(Err(error))) => {
+                    this.done = true;
                     this.finish(
                         Outcome::UpstreamError,
                         Some(format!("upstream body failed: {error}")),
@@ -477,12 +637,9 @@ impl Body for CaptureBody {
                         Rewrite::Sse(rewriter) => rewriter.finish(),
                     };
                     this.sent(tail.len());
-                    this.finish(Outcome::Ok, None);
-                    return Poll::Ready(if tail.is_empty() {
-                        None
-                    } else {
-                        Some(Ok(Frame::data(tail)))
-                    });
+                    let frame = (!tail.is_empty()).then(|| Frame::data(tail));
+                    this.hold(frame);
+                    continue;
                 }
                 Poll::Pending => {
                     while this.idle.as_mut().poll(cx).is_ready() {
@@ -496,6 +653,7 @@ impl Body for CaptureBody {
                             "upstream sent nothing for {:.0?}; response cut",
                             this.idle_timeout
                         );
+                        this.done = true;
                         this.finish(Outcome::Timeout, Some(message.clone()));
                         return Poll::Ready(Some(Err(message.into())));
                     }
@@ -506,20 +664,20 @@ impl Body for CaptureBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done || (matches!(self.rewrite, Rewrite::None) && self.inner.is_end_stream())
+        self.done
     }
 
     fn size_hint(&self) -> SizeHint {
         match self.rewrite {
             Rewrite::None => self.inner.size_hint(),
-            _ => SizeHint::default(),
+            Rewrite::Sse(_) => SizeHint::default(),
         }
     }
 }
 
 impl Drop for CaptureBody {
     fn drop(&mut self) {
-        if !self.done {
+        if self.capture.is_some() {
             self.finish(
                 Outcome::ClientAborted,
                 Some("client closed the connection before the response ended".to_owned()),
@@ -703,7 +861,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         .fetch_add(read_len as u64, Ordering::Relaxed);
     let request_bytes = concat(&chunks, read_len);
     let captured_request = request_bytes.slice(..read_len.min(cap));
-    let request_model = if remainder.is_none() && api != Api::Other {
+    let request_model = if remainder.is_none() {
         request_model(&request_bytes)
     } else {
         String::new()
@@ -786,7 +944,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                 Outcome::UpstreamError,
                 "bad_request",
                 message,
-            );
+            )
+            .await;
         }
     };
     let mut up_req = Request::new(up_body);
@@ -818,7 +977,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                 outcome,
                 code,
                 message,
-            );
+            )
+            .await;
         }
         Err(_) => {
             let message = format!(
@@ -832,7 +992,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                 Outcome::Timeout,
                 "upstream_timeout",
                 message,
-            );
+            )
+            .await;
         }
     };
 
@@ -886,7 +1047,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                     Outcome::UpstreamError,
                     "upstream_error",
                     message,
-                );
+                )
+                .await;
             }
             Err(_) => {
                 let message = format!(
@@ -900,7 +1062,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                     Outcome::Timeout,
                     "upstream_timeout",
                     message,
-                );
+                )
+                .await;
             }
         };
         let mut capture = guard.take();
@@ -915,11 +1078,23 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
             .response_bytes
             .fetch_add(stripped.len() as u64, Ordering::Relaxed);
         rparts.headers.remove(header::CONTENT_LENGTH);
-        capture.finish(Outcome::Ok, None);
+        let wait = state.ack_wait;
+        wait_spooled(capture.finish_acked(Outcome::Ok, None), wait).await;
         state
             .metrics
             .added_latency(sent_at.duration_since(started) + head_at.elapsed());
         return Response::from_parts(rparts, full_body(stripped));
+    }
+    if rbody.is_end_stream() {
+        // An empty body (content-length 0, 204, 304): hyper will not poll it, so the
+        // call is complete now.
+        let capture = guard.take();
+        let wait = state.ack_wait;
+        wait_spooled(capture.finish_acked(Outcome::Ok, None), wait).await;
+        state
+            .metrics
+            .added_latency(sent_at.duration_since(started) + head_at.elapsed());
+        return Response::from_parts(rparts, full_body(Bytes::new()));
     }
     let rewrite = if strip {
         rparts.headers.remove(header::CONTENT_LENGTH);
@@ -938,6 +1113,10 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         idle_timeout,
         idle: Box::pin(tokio::time::sleep(idle_timeout)),
         last_frame: tokio::time::Instant::now(),
+        markers: if streamed { terminal_markers(api) } else { &[] },
+        window: Vec::new(),
+        marker_seen: false,
+        held: None,
         done: false,
     };
     state
@@ -972,8 +1151,22 @@ fn attributed(a: &crate::episodes::Attribution, sidecar_id: &str) -> LlmCall {
     }
 }
 
+/// Waits for a record to reach the spool, at most `wait` (`None`: as long as it takes).
+async fn wait_spooled(spooled: Spooled, wait: Option<Duration>) {
+    match wait {
+        Some(wait) => {
+            if tokio::time::timeout(wait, spooled).await.is_err() {
+                tracing::warn!("record not spooled in time; answering anyway");
+            }
+        }
+        None => {
+            let _ = spooled.await;
+        }
+    }
+}
+
 /// Answers for the upstream (502/504/400) and records the call with that outcome.
-fn local_failure(
+async fn local_failure(
     mut capture: Capture,
     api: Api,
     status: StatusCode,
@@ -987,7 +1180,8 @@ fn local_failure(
         resp.headers_mut().insert(SPAN_ID_HEADER, v);
     }
     capture.call.http_status = u32::from(status.as_u16());
-    capture.finish(outcome, Some(message));
+    let wait = capture.state.ack_wait;
+    wait_spooled(capture.finish_acked(outcome, Some(message)), wait).await;
     resp
 }
 

@@ -22,7 +22,7 @@ use crate::config::Config;
 use crate::episodes::Episodes;
 use crate::metrics::Metrics;
 use crate::proxy::{RespBody, UpBody, full_body};
-use crate::sink::{RecordSink, Recorder, RecorderOptions};
+use crate::sink::{FullPolicy, RecordSink, Recorder, RecorderOptions};
 
 /// The upstream HTTP client (HTTP/1.1, pooled keep-alive connections, http and https).
 pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, UpBody>;
@@ -40,6 +40,11 @@ pub struct AppState {
     pub client: UpstreamClient,
     /// Where records go.
     pub sink: Arc<dyn RecordSink>,
+    /// The recorder behind `sink` (store health).
+    pub recorder: Option<Arc<Recorder>>,
+    /// How long a response's last byte may wait for its record to reach the spool
+    /// (`None`: as long as it takes, the `block` policy).
+    pub ack_wait: Option<Duration>,
     /// Open episodes and the binding.
     pub episodes: Episodes,
     /// Counters.
@@ -91,7 +96,6 @@ pub struct Sidecar {
     state: Arc<AppState>,
     stop: watch::Sender<bool>,
     server: JoinHandle<()>,
-    uploader: JoinHandle<()>,
     recorder: Arc<Recorder>,
 }
 
@@ -99,30 +103,40 @@ impl Sidecar {
     /// Binds the listener, opens the store and starts serving.
     pub async fn start(config: Config) -> anyhow::Result<Sidecar> {
         let store = tapline_proto::store::open_store(&config.store)?;
-        std::fs::create_dir_all(&config.spool_dir)
-            .map_err(|e| anyhow::anyhow!("spool directory {}: {e}", config.spool_dir.display()))?;
         let listener = TcpListener::bind(config.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
         let addr = listener.local_addr()?;
         let metrics = Arc::new(Metrics::default());
-        let (recorder, uploader) = Recorder::start(
+        let (recorder, _recovery) = Recorder::start(
             store.clone(),
             RecorderOptions {
                 sidecar_id: config.sidecar_id.clone(),
-                max_records: config.segment_max_records,
-                max_age: config.segment_max_age,
+                spool_dir: config.spool_dir.clone(),
+                spool_max_bytes: config.spool_max_bytes,
+                full_policy: config.spool_full_policy,
+                segment_max_bytes: config.segment_max_bytes,
+                segment_max_records: config.segment_max_records as u64,
+                segment_max_age: config.segment_max_age,
+                fsync_interval: config.fsync_interval,
                 zstd_level: config.zstd_level,
                 queue_capacity: 65_536,
             },
             metrics.clone(),
-        );
+        )
+        .map_err(|e| anyhow::anyhow!("spool directory {}: {e}", config.spool_dir.display()))?;
+        let ack_wait = match config.spool_full_policy {
+            FullPolicy::Drop => Some(Duration::from_secs(2)),
+            FullPolicy::Block => None,
+        };
         let upstream_base = config.upstream.to_string().trim_end_matches('/').to_owned();
         let state = Arc::new(AppState {
             client: upstream_client(&config)?,
             upstream_base,
             store_display: store.display.clone(),
             sink: recorder.clone(),
+            recorder: Some(recorder.clone()),
+            ack_wait,
             episodes: Episodes::default(),
             metrics,
             config,
@@ -134,7 +148,6 @@ impl Sidecar {
             state,
             stop,
             server,
-            uploader,
             recorder,
         })
     }
@@ -172,13 +185,7 @@ impl Sidecar {
                 "open connections did not finish in time; closing them"
             );
         }
-        self.recorder.close();
-        if tokio::time::timeout(flush, self.uploader).await.is_err() {
-            tracing::error!(
-                ?flush,
-                "records still queued after the flush timeout were not stored"
-            );
-        }
+        self.recorder.shutdown(flush).await;
     }
 }
 

@@ -1,34 +1,84 @@
 //! Where records go once captured: the [`RecordSink`] interface and the [`Recorder`]
-//! that numbers records, batches them into segments and uploads them.
+//! behind it — a spool writer thread and a segment uploader task.
 //!
-//! Capture never waits on storage: [`RecordSink::submit`] only enqueues. When the queue
-//! is full the record is dropped, counted, and reported to the caller so the episode can
-//! be flagged incomplete. Durable delivery (a local spool that survives crashes) plugs in
-//! behind the same interface.
+//! ```text
+//! submit ──queue──▶ spool writer thread ──append──▶ spool (.open) ──seal──▶ .sealed
+//!                        │ (ack once written)                              │
+//!                                              uploader task ◀─────────────┘
+//!                                              build segment, create-only PUT, retry,
+//!                                              then delete the sealed file (ack)
+//! ```
+//!
+//! - Capture never waits for storage. [`RecordSink::submit`] only enqueues; the returned
+//!   [`Ack`] resolves once the record is in the spool (or was dropped). The proxy waits
+//!   for that ack before it sends the last byte of a response, so a response the client
+//!   received whole is always in the spool; the wait is a local file append.
+//! - Segments are cut by size, by age and when an episode ends. Each sealed spool file
+//!   becomes exactly one segment whose key depends only on its content, so an upload
+//!   retried after a crash writes the same key (create-only PUT: harmless).
+//! - When the spool is full, the `drop` policy drops the new record, counts it and tells
+//!   the caller (the episode is flagged incomplete); `block` makes the ack wait until
+//!   uploads free space, which holds back responses: backpressure.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use object_store::{PutMode, PutOptions, PutPayload};
 use tapline_proto::keys::SegmentKey;
-use tapline_proto::segment::SegmentWriter;
+use tapline_proto::segment::encode_segment;
 use tapline_proto::store::StoreLocation;
-use tapline_proto::{EpisodeEventKind, Record, RecordKind};
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tapline_proto::{EpisodeEventKind, RecordKind};
+use tokio::sync::{Notify, oneshot};
 
 use crate::metrics::Metrics;
+use crate::spool::{AppendError, Recovery, Spool, read_sealed};
 
 /// A record could not be accepted and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("record dropped: the record queue is full or closed")]
+#[error("record dropped: the spool is full, failing, or shutting down")]
 pub struct Dropped;
+
+/// Resolves once the record is in the spool (`Ok`) or was dropped.
+#[derive(Debug)]
+pub struct Ack(AckInner);
+
+#[derive(Debug)]
+enum AckInner {
+    Ready(Option<Result<(), Dropped>>),
+    Waiting(oneshot::Receiver<Result<(), Dropped>>),
+}
+
+impl Ack {
+    /// An ack that is already resolved.
+    pub fn ready(result: Result<(), Dropped>) -> Ack {
+        Ack(AckInner::Ready(Some(result)))
+    }
+}
+
+impl std::future::Future for Ack {
+    type Output = Result<(), Dropped>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match &mut self.0 {
+            AckInner::Ready(result) => {
+                std::task::Poll::Ready(result.take().unwrap_or(Err(Dropped)))
+            }
+            AckInner::Waiting(rx) => std::pin::Pin::new(rx)
+                .poll(cx)
+                .map(|r| r.unwrap_or(Err(Dropped))),
+        }
+    }
+}
 
 /// Accepts records without waiting.
 pub trait RecordSink: Send + Sync + std::fmt::Debug {
-    /// Numbers the payload, wraps it in a [`Record`] and queues it for storage.
-    fn submit(&self, kind: RecordKind) -> Result<(), Dropped>;
+    /// Queues a payload; the sink numbers it and wraps it in a `Record`.
+    fn submit(&self, kind: RecordKind) -> Ack;
 }
 
 /// Current time in Unix nanoseconds.
@@ -39,198 +89,466 @@ pub fn now_nanos() -> i64 {
         .unwrap_or(0)
 }
 
+/// What to do with a new record when the spool is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FullPolicy {
+    /// Drop the record, count it, flag its episode; never hold back traffic.
+    Drop,
+    /// Hold back responses until uploads free space.
+    Block,
+}
+
 /// Settings of a [`Recorder`].
 #[derive(Debug, Clone)]
 pub struct RecorderOptions {
     /// This sidecar's id.
     pub sidecar_id: String,
+    /// Spool directory.
+    pub spool_dir: std::path::PathBuf,
+    /// Hard cap of the spool's size on disk.
+    pub spool_max_bytes: u64,
+    /// What to do when the spool is full.
+    pub full_policy: FullPolicy,
+    /// Uncompressed bytes per segment before it is cut.
+    pub segment_max_bytes: u64,
     /// Records per segment before it is cut.
-    pub max_records: usize,
-    /// Age of the oldest record of an open segment before it is cut.
-    pub max_age: Duration,
-    /// zstd level.
+    pub segment_max_records: u64,
+    /// Age of a segment's first record before it is cut.
+    pub segment_max_age: Duration,
+    /// Interval between fsyncs of the open spool file.
+    pub fsync_interval: Duration,
+    /// zstd level of segments.
     pub zstd_level: i32,
-    /// Records that may wait in memory for the uploader.
+    /// Records that may wait in memory for the spool writer.
     pub queue_capacity: usize,
 }
 
-/// The sidecar's [`RecordSink`]: a bounded queue in front of a segment uploader task.
+enum Msg {
+    Record(RecordKind, oneshot::Sender<Result<(), Dropped>>),
+}
+
+/// State shared by the writer thread, the uploader task and the handlers.
 #[derive(Debug)]
-pub struct Recorder {
-    sidecar_id: String,
-    next_seq: AtomicU64,
-    tx: mpsc::Sender<Record>,
+struct Shared {
+    spool: Mutex<Spool>,
+    /// Signalled when uploads free space in the spool.
+    space: Condvar,
+    /// Signalled when a file is sealed.
+    sealed: Notify,
+    stopping: AtomicBool,
+    /// Uploads stop retrying after this instant (nanoseconds since `epoch`), 0 = never.
+    upload_deadline: AtomicU64,
+    epoch: Instant,
+    store_error: Mutex<Option<String>>,
     metrics: Arc<Metrics>,
 }
 
+impl Shared {
+    fn spool(&self) -> MutexGuard<'_, Spool> {
+        self.spool.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn publish_gauges(&self, spool: &Spool) {
+        let m = &self.metrics;
+        m.spool_bytes.store(spool.bytes(), Ordering::Relaxed);
+        m.spool_records.store(spool.records(), Ordering::Relaxed);
+        m.oldest_unacked_nanos.store(
+            spool.oldest_unacked_nanos().map_or(0, |n| n.max(0) as u64),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn past_deadline(&self) -> bool {
+        let deadline = self.upload_deadline.load(Ordering::Relaxed);
+        deadline != 0 && self.epoch.elapsed().as_nanos() as u64 >= deadline
+    }
+}
+
+/// The sidecar's [`RecordSink`]: spool writer thread + uploader task.
+#[derive(Debug)]
+pub struct Recorder {
+    tx: SyncSender<Msg>,
+    shared: Arc<Shared>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    uploader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
 impl Recorder {
-    /// Starts the uploader task on the current runtime. Sequence numbers start at the
-    /// current time in microseconds, so they keep increasing across restarts and segment
-    /// keys never collide.
+    /// Opens the spool (replaying what a previous run left), starts the writer thread and
+    /// the uploader task on the current runtime.
     pub fn start(
         store: StoreLocation,
         options: RecorderOptions,
         metrics: Arc<Metrics>,
-    ) -> (Arc<Recorder>, JoinHandle<()>) {
-        let (tx, rx) = mpsc::channel(options.queue_capacity);
-        let first_seq = (now_nanos() / 1_000).max(1) as u64;
-        let recorder = Arc::new(Recorder {
-            sidecar_id: options.sidecar_id.clone(),
-            next_seq: AtomicU64::new(first_seq),
-            tx,
-            metrics: metrics.clone(),
+    ) -> std::io::Result<(Arc<Recorder>, Recovery)> {
+        let now_micros = (now_nanos() / 1_000).max(0) as u64;
+        let (spool, recovery) =
+            Spool::open(&options.spool_dir, options.spool_max_bytes, now_micros)?;
+        metrics
+            .spool_torn_files
+            .fetch_add(recovery.torn_files as u64, Ordering::Relaxed);
+        metrics
+            .spool_torn_bytes
+            .fetch_add(recovery.torn_bytes, Ordering::Relaxed);
+        if recovery.torn_files > 0 {
+            tracing::warn!(
+                files = recovery.torn_files,
+                bytes = recovery.torn_bytes,
+                "spool had a torn tail from a crash; the records before it are kept, the partial record is lost"
+            );
+        }
+        if recovery.records > 0 {
+            tracing::info!(
+                records = recovery.records,
+                files = recovery.sealed_files,
+                "replaying records not yet acknowledged by the store"
+            );
+        }
+        let shared = Arc::new(Shared {
+            spool: Mutex::new(spool),
+            space: Condvar::new(),
+            sealed: Notify::new(),
+            stopping: AtomicBool::new(false),
+            upload_deadline: AtomicU64::new(0),
+            epoch: Instant::now(),
+            store_error: Mutex::new(None),
+            metrics,
         });
-        let task = tokio::spawn(upload_loop(store, options, rx, metrics));
-        (recorder, task)
+        shared.publish_gauges(&shared.spool());
+        let (tx, rx) = std::sync::mpsc::sync_channel(options.queue_capacity);
+        let writer = {
+            let shared = shared.clone();
+            let options = options.clone();
+            std::thread::Builder::new()
+                .name("tapline-spool".into())
+                .spawn(move || writer_loop(rx, &shared, &options))?
+        };
+        let uploader = tokio::spawn(upload_loop(store, options, shared.clone()));
+        Ok((
+            Arc::new(Recorder {
+                tx,
+                shared,
+                writer: Mutex::new(Some(writer)),
+                uploader: Mutex::new(Some(uploader)),
+            }),
+            recovery,
+        ))
     }
 
-    /// Stops accepting records; the uploader task then uploads what is queued and ends.
-    pub fn close(&self) {
-        // Dropping every sender ends the queue; a closed flag keeps `submit` refusing.
-        self.metrics.recorder_closed.store(1, Ordering::Relaxed);
+    /// The last permanent store error, if uploads are failing for a reason retries will
+    /// not fix (credentials, missing bucket).
+    pub fn store_error(&self) -> Option<String> {
+        self.shared
+            .store_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Stops accepting records, seals the open spool file, and uploads for up to `flush`.
+    /// What is not uploaded by then stays in the spool for the next start.
+    pub async fn shutdown(&self, flush: Duration) {
+        let deadline = self.shared.epoch.elapsed() + flush;
+        self.shared
+            .upload_deadline
+            .store(deadline.as_nanos().max(1) as u64, Ordering::Relaxed);
+        self.shared.stopping.store(true, Ordering::Relaxed);
+        self.shared.space.notify_all();
+        let writer = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(writer) = writer {
+            let _ = tokio::task::spawn_blocking(move || writer.join()).await;
+        }
+        self.shared.sealed.notify_one();
+        let uploader = self
+            .uploader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(uploader) = uploader
+            && tokio::time::timeout(flush + Duration::from_millis(500), uploader)
+                .await
+                .is_err()
+        {
+            tracing::warn!("uploader did not stop in time");
+        }
+        let left = self.shared.spool().records();
+        if left > 0 {
+            tracing::warn!(
+                records = left,
+                "records stay in the spool and will be uploaded at the next start"
+            );
+        }
     }
 }
 
 impl RecordSink for Recorder {
-    fn submit(&self, kind: RecordKind) -> Result<(), Dropped> {
-        if self.metrics.recorder_closed.load(Ordering::Relaxed) != 0 {
-            self.metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
-            return Err(Dropped);
+    fn submit(&self, kind: RecordKind) -> Ack {
+        let metrics = &self.shared.metrics;
+        if self.shared.stopping.load(Ordering::Relaxed) {
+            metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
+            return Ack::ready(Err(Dropped));
         }
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let record = Record::new(&self.sidecar_id, seq, now_nanos(), kind);
-        match self.tx.try_send(record) {
-            Ok(()) => {
-                self.metrics.records_queued.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(_) => {
-                self.metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(seq, "record queue full; record dropped");
-                Err(Dropped)
+        let (ack_tx, ack_rx) = oneshot::channel();
+        match self.tx.try_send(Msg::Record(kind, ack_tx)) {
+            Ok(()) => Ack(AckInner::Waiting(ack_rx)),
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("record queue full; record dropped");
+                Ack::ready(Err(Dropped))
             }
         }
     }
 }
 
-/// A segment being written: records are compressed as they arrive, so cutting a segment
-/// costs no burst of CPU.
-struct OpenSegment {
-    writer: SegmentWriter<Vec<u8>>,
-    key: Option<SegmentKey>,
-    opened: Instant,
+fn is_episode_end(kind: &RecordKind) -> bool {
+    matches!(kind, RecordKind::EpisodeEvent(e) if e.kind() == EpisodeEventKind::End)
 }
 
-/// Largest uncompressed body of one segment before it is cut.
-const MAX_SEGMENT_BODY_BYTES: u64 = 8 << 20;
-
-async fn upload_loop(
-    store: StoreLocation,
-    options: RecorderOptions,
-    mut rx: mpsc::Receiver<Record>,
-    metrics: Arc<Metrics>,
-) {
-    let mut open: Option<OpenSegment> = None;
+fn writer_loop(rx: Receiver<Msg>, shared: &Shared, options: &RecorderOptions) {
+    let metrics = &shared.metrics;
+    let mut last_sync = Instant::now();
     loop {
-        let closing = metrics.recorder_closed.load(Ordering::Relaxed) != 0;
-        let wait = match &open {
-            None => Duration::from_millis(200),
-            Some(seg) => options.max_age.saturating_sub(seg.opened.elapsed()),
-        };
-        let received = if closing {
-            rx.try_recv().ok()
+        let stopping = shared.stopping.load(Ordering::Relaxed);
+        let received = if stopping {
+            rx.try_recv().map_err(|_| RecvTimeoutError::Disconnected)
         } else {
-            tokio::time::timeout(wait, rx.recv()).await.ok().flatten()
+            rx.recv_timeout(options.fsync_interval.min(Duration::from_millis(50)))
         };
-        let mut cut = false;
-        if let Some(record) = received {
-            if open.is_none() {
-                match SegmentWriter::new(Vec::new(), options.zstd_level) {
-                    Ok(writer) => {
-                        open = Some(OpenSegment {
-                            writer,
-                            key: SegmentKey::new(
-                                &options.sidecar_id,
-                                record.sidecar_seq,
-                                record.written_unix_nanos,
-                            )
-                            .ok(),
-                            opened: Instant::now(),
-                        })
-                    }
-                    Err(error) => {
-                        tracing::error!(%error, "cannot start a segment; record dropped");
-                        metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
+        match received {
+            Ok(Msg::Record(kind, ack)) => {
+                let end = is_episode_end(&kind);
+                let result = append(shared, options, kind);
+                if result.is_ok() {
+                    metrics.records_spooled.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = ack.send(result);
+                let mut spool = shared.spool();
+                let full = spool.open_bytes() >= options.segment_max_bytes
+                    || spool.open_records() >= options.segment_max_records;
+                if end || full {
+                    seal(&mut spool, shared);
                 }
             }
-            let episode_end = matches!(
-                &record.kind,
-                Some(RecordKind::EpisodeEvent(e)) if e.kind() == EpisodeEventKind::End
-            );
-            if let Some(seg) = &mut open {
-                if let Err(error) = seg.writer.append(&record) {
-                    tracing::error!(%error, "cannot append to a segment; record dropped");
-                    metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
-                }
-                cut = episode_end
-                    || seg.writer.records() >= options.max_records as u64
-                    || seg.writer.body_bytes() >= MAX_SEGMENT_BODY_BYTES;
-            }
-        } else if let Some(seg) = &open {
-            cut = closing || seg.opened.elapsed() >= options.max_age;
-        }
-        if cut && let Some(seg) = open.take() {
-            upload(&store, seg, &metrics).await;
-        }
-        if closing && open.is_none() && rx.is_empty() {
-            return;
-        }
-    }
-}
-
-/// Finishes a segment and uploads it, retrying with exponential backoff until stored.
-async fn upload(store: &StoreLocation, segment: OpenSegment, metrics: &Metrics) {
-    let (bytes, summary) = match segment.writer.finish() {
-        Ok(done) => done,
-        Err(error) => {
-            tracing::error!(%error, "cannot finish segment; its records are lost");
-            return;
-        }
-    };
-    let Some(key) = segment.key else {
-        tracing::error!("segment has no valid key; its records are lost");
-        return;
-    };
-    if summary.records == 0 {
-        return;
-    }
-    let key = key.to_path(&store.prefix);
-    let payload = PutPayload::from(bytes);
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let put = store
-            .store
-            .put_opts(&key, payload.clone(), PutOptions::from(PutMode::Create))
-            .await;
-        match put {
-            Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
-                metrics.segments_uploaded.fetch_add(1, Ordering::Relaxed);
-                metrics
-                    .records_stored
-                    .fetch_add(summary.records, Ordering::Relaxed);
-                metrics
-                    .stored_bytes
-                    .fetch_add(summary.object_bytes, Ordering::Relaxed);
-                tracing::debug!(%key, records = summary.records, bytes = summary.object_bytes, "segment stored");
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                let mut spool = shared.spool();
+                seal(&mut spool, shared);
+                shared.publish_gauges(&spool);
                 return;
             }
+        }
+        let mut spool = shared.spool();
+        if last_sync.elapsed() >= options.fsync_interval {
+            if let Err(error) = spool.sync() {
+                tracing::error!(%error, "spool fsync failed");
+            }
+            last_sync = Instant::now();
+        }
+        if spool
+            .open_age()
+            .is_some_and(|age| age >= options.segment_max_age)
+        {
+            seal(&mut spool, shared);
+        }
+        shared.publish_gauges(&spool);
+    }
+}
+
+fn append(shared: &Shared, options: &RecorderOptions, kind: RecordKind) -> Result<(), Dropped> {
+    let mut slot = Some(kind);
+    let mut spool = shared.spool();
+    loop {
+        match spool.append(&options.sidecar_id, now_nanos(), &mut slot) {
+            Ok(_) => return Ok(()),
+            Err(AppendError::Full { used, max }) => {
+                if options.full_policy == FullPolicy::Drop
+                    || shared.stopping.load(Ordering::Relaxed)
+                {
+                    tracing::warn!(used, max, "spool full; record dropped (policy drop)");
+                    return Err(Dropped);
+                }
+                // Policy block: seal what is open so it can be uploaded, then wait for space.
+                if spool.open_records() > 0 {
+                    seal(&mut spool, shared);
+                }
+                spool = shared
+                    .space
+                    .wait_timeout(spool, Duration::from_millis(100))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            Err(AppendError::Io(error)) => {
+                tracing::error!(%error, "cannot write to the spool; record dropped");
+                shared
+                    .metrics
+                    .capture_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(Dropped);
+            }
+        }
+    }
+}
+
+fn seal(spool: &mut Spool, shared: &Shared) {
+    match spool.seal() {
+        Ok(Some(_)) => shared.sealed.notify_one(),
+        Ok(None) => {}
+        Err(error) => tracing::error!(%error, "cannot seal spool file; will retry"),
+    }
+}
+
+/// Errors that retrying will not fix.
+fn is_permanent(error: &object_store::Error) -> bool {
+    use object_store::Error as E;
+    match error {
+        E::PermissionDenied { .. }
+        | E::Unauthenticated { .. }
+        | E::NotSupported { .. }
+        | E::NotImplemented => true,
+        E::NotFound { .. } => true, // the bucket or container does not exist
+        other => {
+            let text = other.to_string();
+            [
+                "InvalidAccessKeyId",
+                "SignatureDoesNotMatch",
+                "AccessDenied",
+                "NoSuchBucket",
+                "403 Forbidden",
+            ]
+            .iter()
+            .any(|needle| text.contains(needle))
+        }
+    }
+}
+
+/// A small xorshift generator for backoff jitter (no need for a cryptographic source).
+fn jitter(state: &mut u64, max: Duration) -> Duration {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    let frac = (*state >> 11) as f64 / (1u64 << 53) as f64;
+    max.mul_f64(0.5 + frac / 2.0)
+}
+
+async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc<Shared>) {
+    let metrics = &shared.metrics;
+    let mut rng = (now_nanos() as u64) | 1;
+    loop {
+        let next = shared.spool().sealed().into_iter().next();
+        let Some(sealed) = next else {
+            if shared.stopping.load(Ordering::Relaxed) && shared.spool().open_records() == 0 {
+                return;
+            }
+            tokio::select! {
+                () = shared.sealed.notified() => {}
+                () = tokio::time::sleep(Duration::from_millis(250)) => {}
+            }
+            continue;
+        };
+        if shared.past_deadline() {
+            return;
+        }
+        let path = sealed.path.clone();
+        let level = options.zstd_level;
+        let built = tokio::task::spawn_blocking(move || {
+            let records = read_sealed(&path)?;
+            encode_segment(&records, level).map_err(std::io::Error::other)
+        })
+        .await;
+        let (bytes, summary) = match built {
+            Ok(Ok(done)) => done,
+            Ok(Err(error)) => {
+                tracing::error!(%error, file = %sealed.path.display(), "spool file cannot be read; moved aside as .corrupt");
+                metrics
+                    .capture_failures
+                    .fetch_add(sealed.records, Ordering::Relaxed);
+                let mut spool = shared.spool();
+                if let Err(error) = spool.quarantine(sealed.first_seq) {
+                    tracing::error!(%error, "cannot move the damaged spool file aside");
+                    return;
+                }
+                shared.publish_gauges(&spool);
+                continue;
+            }
             Err(error) => {
-                metrics.upload_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(%error, %key, retry_in = ?backoff, "segment upload failed; will retry");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(30));
+                tracing::error!(%error, "segment builder panicked");
+                return;
+            }
+        };
+        let key = match SegmentKey::new(
+            &options.sidecar_id,
+            sealed.first_seq,
+            sealed.first_written_unix_nanos,
+        ) {
+            Ok(key) => key.to_path(&store.prefix),
+            Err(error) => {
+                tracing::error!(%error, "cannot name segment");
+                return;
+            }
+        };
+        let payload = PutPayload::from(bytes);
+        let mut backoff = Duration::from_millis(200);
+        let mut attempt = 0u32;
+        loop {
+            if attempt > 0 {
+                metrics.upload_retries.fetch_add(1, Ordering::Relaxed);
+            }
+            attempt += 1;
+            let put = store
+                .store
+                .put_opts(&key, payload.clone(), PutOptions::from(PutMode::Create))
+                .await;
+            match put {
+                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
+                    metrics.segments_uploaded.fetch_add(1, Ordering::Relaxed);
+                    metrics
+                        .records_stored
+                        .fetch_add(summary.records, Ordering::Relaxed);
+                    metrics
+                        .stored_bytes
+                        .fetch_add(summary.object_bytes, Ordering::Relaxed);
+                    metrics
+                        .uncompressed_bytes
+                        .fetch_add(summary.body_bytes, Ordering::Relaxed);
+                    *shared.store_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                    let mut spool = shared.spool();
+                    if let Err(error) = spool.ack(sealed.first_seq) {
+                        tracing::error!(%error, "cannot delete an uploaded spool file; it will be uploaded again (harmless)");
+                    }
+                    shared.publish_gauges(&spool);
+                    drop(spool);
+                    shared.space.notify_all();
+                    tracing::debug!(%key, records = summary.records, bytes = summary.object_bytes, "segment stored");
+                    break;
+                }
+                Err(error) => {
+                    metrics.upload_failures.fetch_add(1, Ordering::Relaxed);
+                    let permanent = is_permanent(&error);
+                    if permanent {
+                        metrics
+                            .upload_permanent_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(%error, %key, "segment upload refused by the store; records stay in the spool; fix the store settings (credentials, bucket)");
+                        *shared.store_error.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some(error.to_string());
+                        backoff = backoff.max(Duration::from_secs(5));
+                    } else {
+                        tracing::warn!(%error, %key, retry_in = ?backoff, "segment upload failed; will retry");
+                    }
+                    if shared.past_deadline() {
+                        return;
+                    }
+                    let wait = jitter(&mut rng, backoff);
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = async { while !shared.past_deadline() { tokio::time::sleep(Duration::from_millis(50)).await } } => return,
+                    }
+                    backoff =
+                        (backoff * 2).min(Duration::from_secs(if permanent { 60 } else { 30 }));
+                }
             }
         }
     }

@@ -772,3 +772,109 @@ async fn control_api_episodes_rewards_binding_and_errors() {
         ]
     );
 }
+
+/// hyper drops a response body without a last poll once a known length was sent; the
+/// call still counts as complete (regression: such calls were recorded as aborted).
+#[tokio::test]
+async fn responses_with_a_content_length_are_recorded_ok() {
+    let upstream = Upstream::start(|r| {
+        let body: &'static str = if r.path.contains("empty") {
+            ""
+        } else {
+            CHAT_JSON
+        };
+        let mut s = Script::json(body);
+        s.headers
+            .push(("content-length".into(), body.len().to_string()));
+        if body.is_empty() {
+            s.chunks.clear();
+        }
+        s
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let client = client();
+    let (status, headers, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(false),
+        ),
+    )
+    .await;
+    assert_eq!(
+        (status, body.as_ref()),
+        (StatusCode::OK, CHAT_JSON.as_bytes())
+    );
+    assert_eq!(headers["content-length"], CHAT_JSON.len().to_string());
+    let (_, _, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/empty/v1/chat/completions",
+            chat_request(false),
+        ),
+    )
+    .await;
+    assert!(body.is_empty());
+    let calls = calls(&store, 2).await;
+    assert!(
+        calls.iter().all(|c| c.outcome() == Outcome::Ok),
+        "{:?}",
+        calls
+            .iter()
+            .map(|c| (c.outcome(), &c.error))
+            .collect::<Vec<_>>()
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+/// The openai SDK closes a stream at `data: [DONE]` without waiting for the end of the
+/// body; the call is complete and its record is spooled before `[DONE]` is sent.
+#[tokio::test]
+async fn a_client_that_closes_right_after_the_last_event_is_recorded_ok() {
+    let gate = Arc::new(Notify::new());
+    let g2 = gate.clone();
+    let upstream = Upstream::start(move |_| {
+        let mut s = Script::sse(vec![
+            Bytes::from_static(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"done\"}}]}\n\ndata: [DONE]\n\n"),
+            Bytes::from_static(b"\n"),
+        ]);
+        s.gate = Some((1, g2.clone())); // the end of the body never comes while the client listens
+        s
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let resp = client()
+        .request(post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ))
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let chunk = next_chunk(&mut body).await.unwrap();
+    assert!(chunk.ends_with(b"data: [DONE]\n\n"));
+    // The record is in the spool by the time [DONE] arrived: count what the spool holds.
+    let spooled = sidecar
+        .state()
+        .metrics
+        .records_spooled
+        .load(Ordering::SeqCst);
+    assert_eq!(
+        spooled, 1,
+        "the record reached the spool before the last event was sent"
+    );
+    drop(body);
+    gate.notify_one();
+    let call = calls(&store, 1).await.remove(0);
+    assert_eq!(call.outcome(), Outcome::Ok, "{}", call.error);
+    assert_eq!(call.completions[0].text, "done");
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}

@@ -196,12 +196,11 @@ async fn serve(
 /// Starts a sidecar in front of `upstream` with a fresh in-memory store.
 pub async fn sidecar(upstream: &str, tweak: impl FnOnce(&mut RawConfig)) -> (Sidecar, String) {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let store = format!(
-        "memory://proxy-test-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::SeqCst)
-    );
-    let spool = std::env::temp_dir().join(format!("tapline-test-spool-{}", std::process::id()));
+    let n = NEXT.fetch_add(1, Ordering::SeqCst);
+    let store = format!("memory://proxy-test-{}-{n}", std::process::id());
+    // Every sidecar gets its own spool: a spool belongs to one sidecar.
+    let spool = std::env::temp_dir().join(format!("tapline-test-spool-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&spool);
     let mut raw = RawConfig {
         listen: Some("127.0.0.1:0".into()),
         upstream: Some(upstream.to_owned()),

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -468,7 +468,6 @@ class FakeUpstream:
 
     _server: _Server | None = None
     _thread: threading.Thread | None = None
-    _closed: list = field(default_factory=list)
 
     def start(self) -> "FakeUpstream":
         self._server = _Server()

@@ -1,0 +1,675 @@
+//! The local spool: where a record lives from the moment it is captured until the store
+//! has acknowledged the segment that holds it.
+//!
+//! # On-disk format
+//!
+//! ```text
+//! {spool_dir}/
+//!   {first_seq:016x}.open     the file being appended to (at most one)
+//!   {first_seq:016x}.sealed   closed files waiting for upload; one file = one segment
+//!   {first_seq:016x}.corrupt  sealed files that failed their checks (kept for inspection)
+//!   high-water                the highest sequence number ever sealed (decimal text)
+//!
+//! file   = header frame*
+//! header = "TLSP" | version u8 (= 1) | 3 zero bytes
+//! frame  = length u32 LE | crc32c(payload) u32 LE | payload (one `Record`, protobuf, `length` bytes)
+//! ```
+//!
+//! # Invariants
+//!
+//! - A record counts as captured once its frame has been written to the open file. The
+//!   page cache survives a crash of the process; [`Spool::sync`] (called on a short
+//!   interval) and sealing make it survive a crash of the machine.
+//! - Files are only ever appended to, then sealed (fsync, then rename), then deleted once
+//!   the store acknowledged the segment built from them ([`Spool::ack`]). Nothing else
+//!   changes them, so the segment built from a sealed file — and its key — is the same on
+//!   every retry, before and after a restart.
+//! - [`Spool::open`] turns an `.open` file left by a crash into a sealed one: frames are
+//!   read until the first one that is cut or fails its checksum; the file is truncated
+//!   there and the loss is reported in [`Recovery`].
+//! - Sequence numbers are assigned here, in append order, strictly increasing per spool
+//!   across restarts: the next one is above every one on disk, above the high-water mark
+//!   written at each seal (so it survives the deletion of every file), and at least the
+//!   current time in microseconds. Keys of segments already uploaded never repeat.
+//! - The spool never holds more than `max_bytes` of files; an append that would exceed it
+//!   fails with [`AppendError::Full`] and changes nothing.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use prost::Message;
+use tapline_proto::{Record, RecordKind};
+
+const MAGIC: [u8; 4] = *b"TLSP";
+const VERSION: u8 = 1;
+const HEADER: [u8; 8] = [b'T', b'L', b'S', b'P', VERSION, 0, 0, 0];
+/// Bytes of a frame before its payload.
+pub const FRAME_OVERHEAD: u64 = 8;
+/// Largest payload accepted when reading a spool file.
+const MAX_FRAME: u32 = 256 << 20;
+
+/// Why an append failed. Nothing was written either way.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AppendError {
+    /// The spool is at its size cap.
+    #[error("spool is full ({used} of {max} bytes used)")]
+    Full {
+        /// Bytes in use.
+        used: u64,
+        /// The cap.
+        max: u64,
+    },
+    /// The file system refused the write.
+    #[error("spool write failed: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// A sealed file waiting for upload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sealed {
+    /// Sequence number of its first record (also its file name).
+    pub first_seq: u64,
+    /// Its path.
+    pub path: PathBuf,
+    /// Records in it.
+    pub records: u64,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// `written_unix_nanos` of its first record.
+    pub first_written_unix_nanos: i64,
+}
+
+/// What [`Spool::open`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recovery {
+    /// Sealed files found (including the ones sealed during recovery).
+    pub sealed_files: usize,
+    /// Records in them, waiting for upload.
+    pub records: u64,
+    /// Files whose tail was torn by a crash.
+    pub torn_files: usize,
+    /// Bytes cut off torn tails.
+    pub torn_bytes: u64,
+}
+
+#[derive(Debug)]
+struct OpenFile {
+    file: File,
+    path: PathBuf,
+    first_seq: u64,
+    first_written_unix_nanos: i64,
+    records: u64,
+    bytes: u64,
+    opened: Instant,
+    dirty: bool,
+}
+
+/// The spool of one sidecar. Not shared: one writer owns it (behind a mutex).
+#[derive(Debug)]
+pub struct Spool {
+    dir: PathBuf,
+    max_bytes: u64,
+    open: Option<OpenFile>,
+    sealed: BTreeMap<u64, Sealed>,
+    bytes: u64,
+    records: u64,
+    next_seq: u64,
+    scratch: Vec<u8>,
+}
+
+fn file_name(first_seq: u64, ext: &str) -> String {
+    format!("{first_seq:016x}.{ext}")
+}
+
+fn parse_name(path: &Path) -> Option<(u64, &str)> {
+    let name = path.file_name()?.to_str()?;
+    let (stem, ext) = name.split_once('.')?;
+    if stem.len() != 16 {
+        return None;
+    }
+    Some((u64::from_str_radix(stem, 16).ok()?, ext))
+}
+
+/// Reads the frames of a spool file. Returns the records, the offset after the last good
+/// frame, and whether anything followed it (a torn or corrupted tail).
+fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
+    let mut reader = BufReader::new(File::open(path)?);
+    let mut header = [0u8; 8];
+    let mut got = 0;
+    while got < header.len() {
+        let n = reader.read(&mut header[got..])?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    if got < header.len() || header[..4] != MAGIC || header[4] != VERSION {
+        return Ok((Vec::new(), 0, got > 0));
+    }
+    let mut records = Vec::new();
+    let mut good = HEADER.len() as u64;
+    let mut payload = Vec::new();
+    loop {
+        let mut head = [0u8; 8];
+        let mut got = 0;
+        while got < head.len() {
+            let n = reader.read(&mut head[got..])?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        if got == 0 {
+            return Ok((records, good, false));
+        }
+        if got < head.len() {
+            return Ok((records, good, true));
+        }
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+        let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
+        if len > MAX_FRAME {
+            return Ok((records, good, true));
+        }
+        payload.resize(len as usize, 0);
+        if reader.read_exact(&mut payload).is_err() || crc32c::crc32c(&payload) != crc {
+            return Ok((records, good, true));
+        }
+        match Record::decode(payload.as_slice()) {
+            Ok(record) => records.push(record),
+            Err(_) => return Ok((records, good, true)),
+        }
+        good += FRAME_OVERHEAD + u64::from(len);
+    }
+}
+
+/// Reads every record of a sealed file; an error if the file fails any check.
+pub fn read_sealed(path: &Path) -> io::Result<Vec<Record>> {
+    let (records, _, damaged) = read_frames(path)?;
+    if damaged {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "spool file {} is damaged after {} good records",
+                path.display(),
+                records.len()
+            ),
+        ));
+    }
+    Ok(records)
+}
+
+/// Durably records the highest sequence number handed out (write, fsync, rename).
+fn write_high_water(dir: &Path, seq: u64) -> io::Result<()> {
+    let tmp = dir.join("high-water.tmp");
+    fs::write(&tmp, seq.to_string())?;
+    File::open(&tmp)?.sync_all()?;
+    fs::rename(&tmp, dir.join("high-water"))
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+impl Spool {
+    /// Opens (or creates) the spool in `dir`, recovering from a crash if needed.
+    pub fn open(dir: &Path, max_bytes: u64, now_micros: u64) -> io::Result<(Spool, Recovery)> {
+        fs::create_dir_all(dir)?;
+        let mut spool = Spool {
+            dir: dir.to_owned(),
+            max_bytes,
+            open: None,
+            sealed: BTreeMap::new(),
+            bytes: 0,
+            records: 0,
+            next_seq: 1,
+            scratch: Vec::new(),
+        };
+        let mut recovery = Recovery::default();
+        let mut max_seq = 0u64;
+        let mut entries: Vec<PathBuf> = fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        entries.sort();
+        for path in entries {
+            let Some((first_seq, ext)) = parse_name(&path) else {
+                continue;
+            };
+            match ext {
+                "open" | "sealed" => {}
+                _ => continue,
+            }
+            let (records, good_len, damaged) = read_frames(&path)?;
+            if ext == "open" {
+                if damaged {
+                    let len = fs::metadata(&path)?.len();
+                    recovery.torn_files += 1;
+                    recovery.torn_bytes += len.saturating_sub(good_len);
+                    let file = OpenOptions::new().write(true).open(&path)?;
+                    file.set_len(good_len.max(HEADER.len() as u64))?;
+                    if good_len < HEADER.len() as u64 {
+                        // Not even a header survived: rewrite it so the file reads as empty.
+                        let mut file = OpenOptions::new().write(true).open(&path)?;
+                        file.write_all(&HEADER)?;
+                    }
+                    file.sync_all()?;
+                }
+                if records.is_empty() {
+                    fs::remove_file(&path)?;
+                    continue;
+                }
+                let sealed_path = dir.join(file_name(first_seq, "sealed"));
+                fs::rename(&path, &sealed_path)?;
+                sync_dir(dir)?;
+            } else if damaged {
+                // A sealed file is fsynced before it is renamed, so damage here is not a
+                // torn write; keep the file aside rather than upload part of it.
+                fs::rename(&path, dir.join(file_name(first_seq, "corrupt")))?;
+                continue;
+            }
+            let bytes = fs::metadata(dir.join(file_name(first_seq, "sealed")))?.len();
+            if let Some(last) = records.last() {
+                max_seq = max_seq.max(last.sidecar_seq);
+            }
+            let info = Sealed {
+                first_seq,
+                path: dir.join(file_name(first_seq, "sealed")),
+                records: records.len() as u64,
+                bytes,
+                first_written_unix_nanos: records.first().map_or(0, |r| r.written_unix_nanos),
+            };
+            spool.bytes += bytes;
+            spool.records += info.records;
+            recovery.sealed_files += 1;
+            recovery.records += info.records;
+            spool.sealed.insert(first_seq, info);
+        }
+        let mark = fs::read_to_string(dir.join("high-water"))
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        if max_seq > mark {
+            write_high_water(dir, max_seq)?;
+        }
+        max_seq = max_seq.max(mark);
+        spool.next_seq = (max_seq + 1).max(now_micros).max(1);
+        Ok((spool, recovery))
+    }
+
+    /// Appends a record built from the payload in `slot`; returns its sequence number.
+    /// The payload is taken out of `slot` only on success, so a caller can retry a full
+    /// spool without copying it.
+    pub fn append(
+        &mut self,
+        sidecar_id: &str,
+        written_unix_nanos: i64,
+        slot: &mut Option<RecordKind>,
+    ) -> Result<u64, AppendError> {
+        let Some(kind) = slot.take() else {
+            return Err(AppendError::Io(io::Error::other("nothing to append")));
+        };
+        let seq = self.next_seq;
+        let mut record = Record::new(sidecar_id, seq, written_unix_nanos, kind);
+        let payload_len = record.encoded_len() as u64;
+        let frame_len = FRAME_OVERHEAD + payload_len;
+        let header_len = if self.open.is_none() {
+            HEADER.len() as u64
+        } else {
+            0
+        };
+        if self.bytes + frame_len + header_len > self.max_bytes {
+            *slot = record.kind.take();
+            return Err(AppendError::Full {
+                used: self.bytes,
+                max: self.max_bytes,
+            });
+        }
+        self.scratch.clear();
+        self.scratch.reserve(frame_len as usize);
+        self.scratch
+            .extend_from_slice(&(payload_len as u32).to_le_bytes());
+        self.scratch.extend_from_slice(&[0; 4]);
+        if let Err(e) = record.encode(&mut self.scratch) {
+            *slot = record.kind.take();
+            return Err(AppendError::Io(io::Error::other(e)));
+        }
+        let crc = crc32c::crc32c(&self.scratch[FRAME_OVERHEAD as usize..]);
+        self.scratch[4..8].copy_from_slice(&crc.to_le_bytes());
+        if self.open.is_none() {
+            let path = self.dir.join(file_name(seq, "open"));
+            let opened = OpenOptions::new()
+                .create_new(true)
+                .append(true)
+                .open(&path)
+                .and_then(|mut file| {
+                    file.write_all(&HEADER)?;
+                    Ok(file)
+                });
+            let file = match opened {
+                Ok(file) => file,
+                Err(e) => {
+                    *slot = record.kind.take();
+                    return Err(e.into());
+                }
+            };
+            self.bytes += HEADER.len() as u64;
+            self.open = Some(OpenFile {
+                file,
+                path,
+                first_seq: seq,
+                first_written_unix_nanos: written_unix_nanos,
+                records: 0,
+                bytes: HEADER.len() as u64,
+                opened: Instant::now(),
+                dirty: true,
+            });
+        }
+        let open = self.open.as_mut().expect("opened above");
+        if let Err(e) = open.file.write_all(&self.scratch) {
+            // A partial frame may be on disk: cut it off so the file stays well-formed.
+            let _ = open.file.set_len(open.bytes);
+            *slot = record.kind.take();
+            return Err(e.into());
+        }
+        open.records += 1;
+        open.bytes += frame_len;
+        open.dirty = true;
+        self.bytes += frame_len;
+        self.records += 1;
+        self.next_seq += 1;
+        Ok(seq)
+    }
+
+    /// Makes everything appended so far durable (fsync), if anything changed.
+    pub fn sync(&mut self) -> io::Result<()> {
+        if let Some(open) = &mut self.open
+            && open.dirty
+        {
+            open.file.sync_data()?;
+            open.dirty = false;
+        }
+        Ok(())
+    }
+
+    /// Closes the open file for upload. Returns it, or `None` if nothing was open.
+    pub fn seal(&mut self) -> io::Result<Option<Sealed>> {
+        let Some(open) = self.open.take() else {
+            return Ok(None);
+        };
+        open.file.sync_all()?;
+        // Remember the highest sequence number before the file can be deleted.
+        write_high_water(&self.dir, self.next_seq - 1)?;
+        let path = self.dir.join(file_name(open.first_seq, "sealed"));
+        fs::rename(&open.path, &path)?;
+        sync_dir(&self.dir)?;
+        let sealed = Sealed {
+            first_seq: open.first_seq,
+            path,
+            records: open.records,
+            bytes: open.bytes,
+            first_written_unix_nanos: open.first_written_unix_nanos,
+        };
+        self.sealed.insert(sealed.first_seq, sealed.clone());
+        Ok(Some(sealed))
+    }
+
+    /// Deletes a sealed file once the store has acknowledged its segment.
+    pub fn ack(&mut self, first_seq: u64) -> io::Result<()> {
+        if let Some(sealed) = self.sealed.remove(&first_seq) {
+            match fs::remove_file(&sealed.path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    self.sealed.insert(first_seq, sealed);
+                    return Err(e);
+                }
+            }
+            self.bytes = self.bytes.saturating_sub(sealed.bytes);
+            self.records = self.records.saturating_sub(sealed.records);
+        }
+        Ok(())
+    }
+
+    /// Moves a sealed file that cannot be read aside (`.corrupt`), so uploads go on.
+    pub fn quarantine(&mut self, first_seq: u64) -> io::Result<()> {
+        if let Some(sealed) = self.sealed.remove(&first_seq) {
+            fs::rename(&sealed.path, self.dir.join(file_name(first_seq, "corrupt")))?;
+            self.bytes = self.bytes.saturating_sub(sealed.bytes);
+            self.records = self.records.saturating_sub(sealed.records);
+        }
+        Ok(())
+    }
+
+    /// Sealed files in upload order.
+    pub fn sealed(&self) -> Vec<Sealed> {
+        self.sealed.values().cloned().collect()
+    }
+
+    /// Records in the open file.
+    pub fn open_records(&self) -> u64 {
+        self.open.as_ref().map_or(0, |o| o.records)
+    }
+
+    /// Bytes in the open file.
+    pub fn open_bytes(&self) -> u64 {
+        self.open.as_ref().map_or(0, |o| o.bytes)
+    }
+
+    /// How long the open file has been open.
+    pub fn open_age(&self) -> Option<std::time::Duration> {
+        self.open.as_ref().map(|o| o.opened.elapsed())
+    }
+
+    /// Bytes of every spool file.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Records not yet acknowledged.
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// `written_unix_nanos` of the oldest record not yet acknowledged.
+    pub fn oldest_unacked_nanos(&self) -> Option<i64> {
+        self.sealed
+            .values()
+            .next()
+            .map(|s| s.first_written_unix_nanos)
+            .or_else(|| self.open.as_ref().map(|o| o.first_written_unix_nanos))
+    }
+
+    /// The size cap.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use tapline_proto::Reward;
+
+    fn reward(i: u64) -> RecordKind {
+        RecordKind::Reward(Reward {
+            reward_id: format!("r{i}"),
+            episode_id: "e".into(),
+            value: i as f64,
+            ..Default::default()
+        })
+    }
+
+    fn ids(records: &[Record]) -> Vec<String> {
+        records.iter().map(|r| r.id.clone()).collect()
+    }
+
+    fn all_unacked(spool: &Spool) -> Vec<String> {
+        spool
+            .sealed()
+            .iter()
+            .flat_map(|s| ids(&read_sealed(&s.path).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn a_torn_tail_is_cut_and_the_good_records_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        for i in 0..5 {
+            spool.append("s", 1, &mut Some(reward(i))).unwrap();
+        }
+        let path = spool.open.as_ref().unwrap().path.clone();
+        drop(spool);
+        // A crash in the middle of the next frame: a length, a crc, half a payload.
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(&[40, 0, 0, 0, 1, 2, 3, 4, 9, 9, 9]).unwrap();
+        drop(f);
+        let (spool, recovery) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        assert_eq!(recovery.torn_files, 1);
+        assert_eq!(recovery.torn_bytes, 11);
+        assert_eq!(recovery.records, 5);
+        assert_eq!(all_unacked(&spool), ["r0", "r1", "r2", "r3", "r4"]);
+        assert!(
+            spool.next_seq > 5,
+            "sequence numbers continue after the recovered ones"
+        );
+    }
+
+    #[test]
+    fn a_flipped_bit_in_an_open_file_ends_recovery_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        for i in 0..3 {
+            spool.append("s", 1, &mut Some(reward(i))).unwrap();
+        }
+        let path = spool.open.as_ref().unwrap().path.clone();
+        drop(spool);
+        let mut bytes = fs::read(&path).unwrap();
+        let last = bytes.len() - 2;
+        bytes[last] ^= 0x10;
+        fs::write(&path, bytes).unwrap();
+        let (spool, recovery) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        assert_eq!(recovery.torn_files, 1);
+        assert_eq!(all_unacked(&spool), ["r0", "r1"]);
+    }
+
+    #[test]
+    fn the_cap_refuses_appends_without_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 200, 0).unwrap();
+        let mut accepted = 0;
+        loop {
+            match spool.append("s", 1, &mut Some(reward(accepted))) {
+                Ok(_) => accepted += 1,
+                Err(AppendError::Full { used, max }) => {
+                    assert!(used <= max);
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(accepted > 0);
+        assert!(spool.bytes() <= 200);
+        let before = spool.bytes();
+        let mut slot = Some(reward(99));
+        assert!(spool.append("s", 1, &mut slot).is_err());
+        assert!(slot.is_some(), "a refused payload is given back");
+        assert_eq!(spool.bytes(), before);
+        let sealed = spool.seal().unwrap().unwrap();
+        spool.ack(sealed.first_seq).unwrap();
+        assert_eq!(spool.bytes(), 0);
+        spool.append("s", 1, &mut Some(reward(100))).unwrap();
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Append,
+        Seal,
+        AckOldest,
+        Sync,
+        Restart,
+        TearOpenTail,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => Just(Op::Append),
+            2 => Just(Op::Seal),
+            2 => Just(Op::AckOldest),
+            1 => Just(Op::Sync),
+            1 => Just(Op::Restart),
+            1 => Just(Op::TearOpenTail),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// The spool against a model: the records not yet acknowledged, in order.
+        #[test]
+        fn spool_matches_a_model(ops in proptest::collection::vec(op(), 1..60)) {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+            // Model: sealed groups and the open group, each a list of record ids.
+            let mut sealed: Vec<Vec<String>> = Vec::new();
+            let mut open: Vec<String> = Vec::new();
+            let mut next = 0u64;
+            let mut last_seq = 0u64;
+            for op in ops {
+                match op {
+                    Op::Append => {
+                        let seq = spool.append("s", 1, &mut Some(reward(next))).unwrap();
+                        prop_assert!(seq > last_seq, "sequence numbers increase");
+                        last_seq = seq;
+                        open.push(format!("r{next}"));
+                        next += 1;
+                    }
+                    Op::Seal => {
+                        if spool.seal().unwrap().is_some() {
+                            sealed.push(std::mem::take(&mut open));
+                        } else {
+                            prop_assert!(open.is_empty());
+                        }
+                    }
+                    Op::AckOldest => {
+                        if let Some(first) = spool.sealed().first() {
+                            spool.ack(first.first_seq).unwrap();
+                            sealed.remove(0);
+                        }
+                    }
+                    Op::Sync => spool.sync().unwrap(),
+                    Op::Restart => {
+                        drop(spool);
+                        let reopened = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+                        spool = reopened.0;
+                        prop_assert_eq!(reopened.1.torn_files, 0);
+                        if !open.is_empty() {
+                            sealed.push(std::mem::take(&mut open));
+                        }
+                    }
+                    Op::TearOpenTail => {
+                        // A crash in the middle of appending the next record.
+                        if let Some(o) = &spool.open {
+                            let mut f = OpenOptions::new().append(true).open(&o.path).unwrap();
+                            f.write_all(&[200, 0, 0, 0, 7]).unwrap();
+                        }
+                        drop(spool);
+                        let reopened = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+                        spool = reopened.0;
+                        if !open.is_empty() {
+                            prop_assert_eq!(reopened.1.torn_files, 1);
+                            sealed.push(std::mem::take(&mut open));
+                        }
+                    }
+                }
+                let expected: Vec<String> = sealed.iter().flatten().cloned().collect();
+                prop_assert_eq!(all_unacked(&spool), expected);
+                prop_assert_eq!(spool.records(), (sealed.iter().map(Vec::len).sum::<usize>() + open.len()) as u64);
+            }
+        }
+    }
+}
