@@ -339,7 +339,7 @@ impl Capture {
                 });
             }
             Err(_) => {
-                let _ = self.record();
+                drop(self.record());
             }
         }
     }
@@ -846,7 +846,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                 ..attributed(&attribution, &state.config.sidecar_id)
             };
             state.metrics.outcome(Outcome::ClientAborted);
-            let _ = state.sink.submit(RecordKind::LlmCall(call));
+            drop(state.sink.submit(RecordKind::LlmCall(call)));
             return api_error(
                 api,
                 StatusCode::BAD_REQUEST,

@@ -170,6 +170,9 @@ impl Shared {
 pub struct Recorder {
     tx: SyncSender<Msg>,
     shared: Arc<Shared>,
+    options: RecorderOptions,
+    /// Records waiting in the queue for the writer thread (policy `block` only).
+    queued: Arc<AtomicU64>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     uploader: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -217,18 +220,22 @@ impl Recorder {
         });
         shared.publish_gauges(&shared.spool());
         let (tx, rx) = std::sync::mpsc::sync_channel(options.queue_capacity);
+        let queued = Arc::new(AtomicU64::new(0));
         let writer = {
             let shared = shared.clone();
             let options = options.clone();
+            let queued = queued.clone();
             std::thread::Builder::new()
                 .name("tapline-spool".into())
-                .spawn(move || writer_loop(rx, &shared, &options))?
+                .spawn(move || writer_loop(rx, &shared, &options, &queued))?
         };
-        let uploader = tokio::spawn(upload_loop(store, options, shared.clone()));
+        let uploader = tokio::spawn(upload_loop(store, options.clone(), shared.clone()));
         Ok((
             Arc::new(Recorder {
                 tx,
                 shared,
+                options: options.clone(),
+                queued,
                 writer: Mutex::new(Some(writer)),
                 uploader: Mutex::new(Some(uploader)),
             }),
@@ -284,15 +291,54 @@ impl Recorder {
 
 impl RecordSink for Recorder {
     fn submit(&self, kind: RecordKind) -> Ack {
-        let metrics = &self.shared.metrics;
-        if self.shared.stopping.load(Ordering::Relaxed) {
+        let shared = &self.shared;
+        let metrics = &shared.metrics;
+        if shared.stopping.load(Ordering::Relaxed) {
             metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
             return Ack::ready(Err(Dropped));
         }
+        // Fast path: append here and now (a write into the page cache), unless records
+        // are already waiting for space, which must keep their order.
+        let mut slot = Some(kind);
+        if self.queued.load(Ordering::Acquire) == 0 {
+            let end = slot.as_ref().is_some_and(is_episode_end);
+            let mut spool = shared.spool();
+            match spool.append(&self.options.sidecar_id, now_nanos(), &mut slot) {
+                Ok(_) => {
+                    metrics.records_spooled.fetch_add(1, Ordering::Relaxed);
+                    if end
+                        || spool.open_bytes() >= self.options.segment_max_bytes
+                        || spool.open_records() >= self.options.segment_max_records
+                    {
+                        seal(&mut spool, shared);
+                    }
+                    return Ack::ready(Ok(()));
+                }
+                Err(AppendError::Full { used, max })
+                    if self.options.full_policy == FullPolicy::Drop =>
+                {
+                    metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(used, max, "spool full; record dropped (policy drop)");
+                    return Ack::ready(Err(Dropped));
+                }
+                Err(AppendError::Full { .. }) => {} // policy block: queue it below
+                Err(AppendError::Io(error)) => {
+                    tracing::error!(%error, "cannot write to the spool; record dropped");
+                    metrics.capture_failures.fetch_add(1, Ordering::Relaxed);
+                    metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
+                    return Ack::ready(Err(Dropped));
+                }
+            }
+        }
+        let Some(kind) = slot else {
+            return Ack::ready(Err(Dropped));
+        };
         let (ack_tx, ack_rx) = oneshot::channel();
+        self.queued.fetch_add(1, Ordering::AcqRel);
         match self.tx.try_send(Msg::Record(kind, ack_tx)) {
             Ok(()) => Ack(AckInner::Waiting(ack_rx)),
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
                 metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("record queue full; record dropped");
                 Ack::ready(Err(Dropped))
@@ -305,9 +351,22 @@ fn is_episode_end(kind: &RecordKind) -> bool {
     matches!(kind, RecordKind::EpisodeEvent(e) if e.kind() == EpisodeEventKind::End)
 }
 
-fn writer_loop(rx: Receiver<Msg>, shared: &Shared, options: &RecorderOptions) {
+/// The spool's background thread: appends records that had to wait for space (policy
+/// `block`), seals files by age, and schedules fsyncs.
+fn writer_loop(rx: Receiver<Msg>, shared: &Shared, options: &RecorderOptions, queued: &AtomicU64) {
     let metrics = &shared.metrics;
     let mut last_sync = Instant::now();
+    // fsync runs on its own thread: appends (and so responses) never wait for the disk.
+    let (syncer, jobs) = std::sync::mpsc::sync_channel::<crate::spool::SyncJob>(4);
+    let sync_thread = std::thread::Builder::new()
+        .name("tapline-fsync".into())
+        .spawn(move || {
+            for job in jobs {
+                if let Err(error) = job.run() {
+                    tracing::error!(%error, "spool fsync failed");
+                }
+            }
+        });
     loop {
         let stopping = shared.stopping.load(Ordering::Relaxed);
         let received = if stopping {
@@ -325,6 +384,7 @@ fn writer_loop(rx: Receiver<Msg>, shared: &Shared, options: &RecorderOptions) {
                     metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
                 }
                 let _ = ack.send(result);
+                queued.fetch_sub(1, Ordering::AcqRel);
                 let mut spool = shared.spool();
                 let full = spool.open_bytes() >= options.segment_max_bytes
                     || spool.open_records() >= options.segment_max_records;
@@ -336,14 +396,27 @@ fn writer_loop(rx: Receiver<Msg>, shared: &Shared, options: &RecorderOptions) {
             Err(RecvTimeoutError::Disconnected) => {
                 let mut spool = shared.spool();
                 seal(&mut spool, shared);
+                if let Err(error) = spool.sync() {
+                    tracing::error!(%error, "spool fsync at shutdown failed");
+                }
                 shared.publish_gauges(&spool);
+                drop(syncer);
+                if let Ok(thread) = sync_thread {
+                    let _ = thread.join();
+                }
                 return;
             }
         }
         let mut spool = shared.spool();
         if last_sync.elapsed() >= options.fsync_interval {
-            if let Err(error) = spool.sync() {
-                tracing::error!(%error, "spool fsync failed");
+            match spool.sync_job() {
+                Ok(Some(job)) => {
+                    if syncer.try_send(job).is_err() {
+                        tracing::debug!("previous fsync still running; syncing later");
+                    }
+                }
+                Ok(None) => {}
+                Err(error) => tracing::error!(%error, "cannot prepare spool fsync"),
             }
             last_sync = Instant::now();
         }

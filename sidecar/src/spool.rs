@@ -18,15 +18,16 @@
 //! # Invariants
 //!
 //! - A record counts as captured once its frame has been written to the open file. The
-//!   page cache survives a crash of the process; [`Spool::sync`] (called on a short
-//!   interval) and sealing make it survive a crash of the machine.
+//!   page cache survives a crash of the process; the fsyncs of [`Spool::sync_job`], run
+//!   on a short interval by a thread of their own so that appends never wait for the
+//!   disk, make it survive a crash of the machine.
 //! - Files are only ever appended to, then sealed (fsync, then rename), then deleted once
 //!   the store acknowledged the segment built from them ([`Spool::ack`]). Nothing else
 //!   changes them, so the segment built from a sealed file — and its key — is the same on
 //!   every retry, before and after a restart.
-//! - [`Spool::open`] turns an `.open` file left by a crash into a sealed one: frames are
-//!   read until the first one that is cut or fails its checksum; the file is truncated
-//!   there and the loss is reported in [`Recovery`].
+//! - [`Spool::open`] turns an `.open` file left by a crash into a sealed one. In every
+//!   file, frames are read until the first one that is cut or fails its checksum; the
+//!   file is truncated there and the loss is reported in [`Recovery`].
 //! - Sequence numbers are assigned here, in append order, strictly increasing per spool
 //!   across restarts: the next one is above every one on disk, above the high-water mark
 //!   written at each seal (so it survives the deletion of every file), and at least the
@@ -119,6 +120,8 @@ pub struct Spool {
     records: u64,
     next_seq: u64,
     scratch: Vec<u8>,
+    /// Sealed files not yet fsynced.
+    unsynced: Vec<PathBuf>,
 }
 
 fn file_name(first_seq: u64, ext: &str) -> String {
@@ -202,12 +205,40 @@ pub fn read_sealed(path: &Path) -> io::Result<Vec<Record>> {
     Ok(records)
 }
 
-/// Durably records the highest sequence number handed out (write, fsync, rename).
+/// Records the highest sequence number handed out (write, rename; made durable by the
+/// next sync job's directory fsync).
 fn write_high_water(dir: &Path, seq: u64) -> io::Result<()> {
     let tmp = dir.join("high-water.tmp");
     fs::write(&tmp, seq.to_string())?;
-    File::open(&tmp)?.sync_all()?;
     fs::rename(&tmp, dir.join("high-water"))
+}
+
+/// fsyncs to run outside the spool lock: see [`Spool::sync_job`].
+#[derive(Debug)]
+pub struct SyncJob {
+    open: Option<File>,
+    sealed: Vec<PathBuf>,
+    dir: PathBuf,
+}
+
+impl SyncJob {
+    /// Runs the fsyncs. Files deleted meanwhile (uploaded already) are skipped.
+    pub fn run(self) -> io::Result<()> {
+        if let Some(file) = &self.open {
+            file.sync_data()?;
+        }
+        for path in &self.sealed {
+            match File::open(path) {
+                Ok(file) => file.sync_all()?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if !self.sealed.is_empty() {
+            sync_dir(&self.dir)?;
+        }
+        Ok(())
+    }
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
@@ -227,6 +258,7 @@ impl Spool {
             records: 0,
             next_seq: 1,
             scratch: Vec::new(),
+            unsynced: Vec::new(),
         };
         let mut recovery = Recovery::default();
         let mut max_seq = 0u64;
@@ -243,32 +275,27 @@ impl Spool {
                 _ => continue,
             }
             let (records, good_len, damaged) = read_frames(&path)?;
-            if ext == "open" {
-                if damaged {
-                    let len = fs::metadata(&path)?.len();
-                    recovery.torn_files += 1;
-                    recovery.torn_bytes += len.saturating_sub(good_len);
-                    let file = OpenOptions::new().write(true).open(&path)?;
-                    file.set_len(good_len.max(HEADER.len() as u64))?;
-                    if good_len < HEADER.len() as u64 {
-                        // Not even a header survived: rewrite it so the file reads as empty.
-                        let mut file = OpenOptions::new().write(true).open(&path)?;
-                        file.write_all(&HEADER)?;
-                    }
-                    file.sync_all()?;
+            if damaged {
+                // A crash (of the process or the machine, before a background fsync)
+                // cut the file: keep the good frames, cut the rest.
+                let len = fs::metadata(&path)?.len();
+                recovery.torn_files += 1;
+                recovery.torn_bytes += len.saturating_sub(good_len);
+                let mut file = OpenOptions::new().write(true).open(&path)?;
+                file.set_len(good_len.max(HEADER.len() as u64))?;
+                if good_len < HEADER.len() as u64 {
+                    // Not even a header survived: rewrite it so the file reads as empty.
+                    file.write_all(&HEADER)?;
                 }
-                if records.is_empty() {
-                    fs::remove_file(&path)?;
-                    continue;
-                }
-                let sealed_path = dir.join(file_name(first_seq, "sealed"));
-                fs::rename(&path, &sealed_path)?;
-                sync_dir(dir)?;
-            } else if damaged {
-                // A sealed file is fsynced before it is renamed, so damage here is not a
-                // torn write; keep the file aside rather than upload part of it.
-                fs::rename(&path, dir.join(file_name(first_seq, "corrupt")))?;
+                file.sync_all()?;
+            }
+            if records.is_empty() {
+                fs::remove_file(&path)?;
                 continue;
+            }
+            if ext == "open" {
+                fs::rename(&path, dir.join(file_name(first_seq, "sealed")))?;
+                sync_dir(dir)?;
             }
             let bytes = fs::metadata(dir.join(file_name(first_seq, "sealed")))?.len();
             if let Some(last) = records.last() {
@@ -385,13 +412,31 @@ impl Spool {
 
     /// Makes everything appended so far durable (fsync), if anything changed.
     pub fn sync(&mut self) -> io::Result<()> {
-        if let Some(open) = &mut self.open
-            && open.dirty
-        {
-            open.file.sync_data()?;
-            open.dirty = false;
+        if let Some(job) = self.sync_job()? {
+            job.run()?;
         }
         Ok(())
+    }
+
+    /// What must be fsynced to make everything so far durable, to run without holding
+    /// the spool (fsync can take long; appends must not wait for it).
+    pub fn sync_job(&mut self) -> io::Result<Option<SyncJob>> {
+        let open = match &mut self.open {
+            Some(open) if open.dirty => {
+                open.dirty = false;
+                Some(open.file.try_clone()?)
+            }
+            _ => None,
+        };
+        let sealed = std::mem::take(&mut self.unsynced);
+        if open.is_none() && sealed.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(SyncJob {
+            open,
+            sealed,
+            dir: self.dir.clone(),
+        }))
     }
 
     /// Closes the open file for upload. Returns it, or `None` if nothing was open.
@@ -399,12 +444,12 @@ impl Spool {
         let Some(open) = self.open.take() else {
             return Ok(None);
         };
-        open.file.sync_all()?;
         // Remember the highest sequence number before the file can be deleted.
         write_high_water(&self.dir, self.next_seq - 1)?;
         let path = self.dir.join(file_name(open.first_seq, "sealed"));
         fs::rename(&open.path, &path)?;
-        sync_dir(&self.dir)?;
+        // The fsync of the file and of the directory runs in the next sync job.
+        self.unsynced.push(path.clone());
         let sealed = Sealed {
             first_seq: open.first_seq,
             path,
