@@ -69,10 +69,10 @@ impl Words {
         let mut out = String::new();
         for i in 0..words {
             if i > 0 {
-                out.push(if self.next() % 11 == 0 { '\n' } else { ' ' });
+                out.push(if self.next().is_multiple_of(11) { '\n' } else { ' ' });
             }
             out.push_str(VOCAB[(self.next() % VOCAB.len() as u64) as usize]);
-            if self.next() % 7 == 0 {
+            if self.next().is_multiple_of(7) {
                 out.push_str(&(self.next() % 1000).to_string());
             }
         }
@@ -139,7 +139,7 @@ fn main() {
         .enumerate()
         .map(|(i, k)| Record::new("bench", i as u64 + 1, 1_700_000_000_000_000_000, k.clone()))
         .collect();
-    let raw: usize = records.iter().map(|r| prost::Message::encoded_len(r)).sum();
+    let raw: usize = records.iter().map(prost::Message::encoded_len).sum();
     let calls = records.len();
     println!(
         "{episodes} episodes x {turns} turns = {calls} calls; raw records {:.1} MiB ({:.1} KiB per call)",
