@@ -62,7 +62,23 @@ async fn upstream() -> SocketAddr {
                         let paced = body.windows(7).any(|w| w == b"\"paced\"");
                         let resp: Response<
                             http_body_util::combinators::BoxBody<Bytes, Infallible>,
-                        > = if stream {
+                        > = if paced {
+                            // One chunk per millisecond, like a (very fast) decoding server.
+                            let frames = futures::stream::unfold(
+                                (chunks.clone(), 0usize),
+                                |(chunks, i)| async move {
+                                    if i > 0 {
+                                        tokio::time::sleep(Duration::from_millis(1)).await;
+                                    }
+                                    let chunk = chunks.get(i)?.clone();
+                                    Some((Ok(hyper::body::Frame::data(chunk)), (chunks, i + 1)))
+                                },
+                            );
+                            Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .body(http_body_util::StreamBody::new(frames).boxed())
+                                .unwrap()
+                        } else if stream {
                             let frames = futures::stream::iter(
                                 chunks
                                     .iter()

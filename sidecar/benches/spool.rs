@@ -69,7 +69,11 @@ impl Words {
         let mut out = String::new();
         for i in 0..words {
             if i > 0 {
-                out.push(if self.next().is_multiple_of(11) { '\n' } else { ' ' });
+                out.push(if self.next().is_multiple_of(11) {
+                    '\n'
+                } else {
+                    ' '
+                });
             }
             out.push_str(VOCAB[(self.next() % VOCAB.len() as u64) as usize]);
             if self.next().is_multiple_of(7) {
