@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use object_store::{PutMode, PutOptions, PutPayload};
 use tapline_proto::keys::SegmentKey;
-use tapline_proto::segment::encode_segment;
+use tapline_proto::segment::SegmentWriter;
 use tapline_proto::store::StoreLocation;
 use tapline_proto::{EpisodeEventKind, RecordKind};
 use tokio::sync::{Notify, oneshot};
@@ -473,6 +473,29 @@ fn seal(spool: &mut Spool, shared: &Shared) {
     }
 }
 
+/// Builds the segment of a sealed spool file. This is the sidecar's biggest burst of CPU
+/// (tens of milliseconds per 8 MiB); it yields the core every few records so that the
+/// threads serving traffic, which share the machine's few cores, are not held up for a
+/// whole scheduler time slice.
+fn build_segment(
+    path: &std::path::Path,
+    level: i32,
+) -> std::io::Result<(Vec<u8>, tapline_proto::segment::SegmentSummary)> {
+    let records = read_sealed(path)?;
+    std::thread::yield_now();
+    let mut writer = SegmentWriter::new(Vec::new(), level).map_err(std::io::Error::other)?;
+    let mut since_yield = 0usize;
+    for record in &records {
+        writer.append(record).map_err(std::io::Error::other)?;
+        since_yield += prost::Message::encoded_len(record);
+        if since_yield >= 64 << 10 {
+            std::thread::yield_now();
+            since_yield = 0;
+        }
+    }
+    writer.finish().map_err(std::io::Error::other)
+}
+
 /// Errors that retrying will not fix.
 fn is_permanent(error: &object_store::Error) -> bool {
     use object_store::Error as E;
@@ -526,11 +549,7 @@ async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc
         }
         let path = sealed.path.clone();
         let level = options.zstd_level;
-        let built = tokio::task::spawn_blocking(move || {
-            let records = read_sealed(&path)?;
-            encode_segment(&records, level).map_err(std::io::Error::other)
-        })
-        .await;
+        let built = tokio::task::spawn_blocking(move || build_segment(&path, level)).await;
         let (bytes, summary) = match built {
             Ok(Ok(done)) => done,
             Ok(Err(error)) => {

@@ -215,7 +215,10 @@ impl Drop for Process {
 }
 
 fn spawn_sidecar(listen: SocketAddr, upstream: &str, dir: &Path) -> Process {
-    #[allow(clippy::zombie_processes, reason = "Process::drop kills and waits for it")]
+    #[allow(
+        clippy::zombie_processes,
+        reason = "Process::drop kills and waits for it"
+    )]
     let child = Command::new(env!("CARGO_BIN_EXE_tapline-sidecar"))
         .args([
             "--listen",

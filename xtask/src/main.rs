@@ -14,6 +14,9 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
+mod assets;
+use assets::{ensure_assets, ensure_venv};
+
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
@@ -46,6 +49,7 @@ fn repo_root() -> PathBuf {
 fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     let python = step("python test environment", || ensure_venv(root))?;
+    let assets = step("test assets", || ensure_assets(root))?;
     step("cargo fmt --check", || {
         run(Command::new("cargo").args(["fmt", "--all", "--check"]))
     })?;
@@ -62,8 +66,39 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     step("cargo test", || {
         run(Command::new("cargo")
             .args(["test", "--workspace"])
-            .args(extra))
+            .args(extra)
+            .env("TAPLINE_PYTHON", &python)
+            .env("TAPLINE_ASSETS", &assets))
     })?;
+    step(
+        "pytest (sidecar with the official clients, Python SDK)",
+        || {
+            // `cargo test` built the sidecar binary; the Python tests drive that binary.
+            let bin = root.join("target/debug/tapline-sidecar");
+            run(Command::new(&python)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                    "--force-reinstall",
+                ])
+                .arg(root.join("sdk/python")))
+            .context("installing the tapline Python SDK into the test environment")?;
+            // pytest exits 5 when it collected no test: a failure here too.
+            run(Command::new(&python)
+                .args([
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "sidecar/tests/python",
+                    "sdk/python/tests",
+                ])
+                .env("TAPLINE_SIDECAR_BIN", &bin))
+        },
+    )?;
     eprintln!("xtask test: all steps passed in {:.0?}", started.elapsed());
     Ok(())
 }

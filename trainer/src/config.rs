@@ -1,0 +1,226 @@
+//! The run configuration: one serde struct, read from an optional TOML file (unknown keys
+//! are refused) with command-line flags over it, validated once before anything runs.
+//!
+//! Every field has a default; a complete file with the defaults:
+//!
+//! ```toml
+//! run = "default"              # cursor name: runs with the same name share progress
+//!
+//! [ingest]
+//! lookback_hours = 24          # how late a segment may be uploaded and still be read
+//! skip_unreadable_segments = false
+//! concurrent_reads = 8
+//!
+//! [clean]
+//! grace_period_secs = 3600     # unended episodes older than this are dropped
+//! max_seq_len = 32768          # longer sequences are dropped (`over_length`)
+//! drop_zero_variance_groups = true
+//!
+//! [tokenize]
+//! use_recorded_ids = true
+//! measure_drift = true
+//! chat_template_kwargs = {}    # server-side defaults, e.g. { enable_thinking = false }
+//!
+//! [rewards]
+//! final_reward_weight = 1.0
+//! reward_weights = {}          # e.g. { tests_passed = 0.5, style = 0.1 }
+//!
+//! [advantages]
+//! estimator = "grpo"           # grpo | dr_grpo | rloo | reinforce_plus_plus_baseline
+//! group_by = "task_and_group"  # or "task"
+//! epsilon = 1e-6
+//! std = "sample"               # or "population"
+//! per_call_rewards = false
+//! per_call_discount = 1.0
+//! per_call_weight = 1.0
+//!
+//! [schedule]
+//! loss_agg_mode = "token-mean" # token-mean | seq-mean-token-sum | seq-mean-token-mean
+//!                              # | seq-mean-token-sum-norm | episode-mean
+//! # norm_constant = 32768      # C of seq-mean-token-sum-norm; default max_seq_len
+//! micro_batch_tokens = 65536
+//! mini_batch_episodes = 0      # 0: one mini-batch
+//! seed = 0
+//! ```
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::advantages::{AdvantageOptions, RewardOptions};
+use crate::clean::CleanOptions;
+use crate::ingest::{IngestOptions, validate_run_name};
+use crate::schedule::ScheduleOptions;
+use crate::tokenize::TokenizeOptions;
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this struct.
+    #[error("config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The parser's error (names the key).
+        source: toml::de::Error,
+    },
+    /// A value is out of range.
+    #[error("config: {0}")]
+    Invalid(String),
+}
+
+/// Everything a `prepare` run is configured by.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Name of the run's cursor in the store (default `default`).
+    pub run: String,
+    /// Ingest settings.
+    pub ingest: IngestOptions,
+    /// Cleaning settings.
+    pub clean: CleanOptions,
+    /// Tokenization settings.
+    pub tokenize: TokenizeOptions,
+    /// Reward combination.
+    pub rewards: RewardOptions,
+    /// Advantage estimation.
+    pub advantages: AdvantageOptions,
+    /// Loss normalization and batching.
+    pub schedule: ScheduleOptions,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            run: "default".into(),
+            ingest: IngestOptions::default(),
+            clean: CleanOptions::default(),
+            tokenize: TokenizeOptions::default(),
+            rewards: RewardOptions::default(),
+            advantages: AdvantageOptions::default(),
+            schedule: ScheduleOptions::default(),
+        }
+    }
+}
+
+impl RunConfig {
+    /// Reads a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+
+    /// `C` of `seq-mean-token-sum-norm`.
+    pub fn norm_constant(&self) -> f64 {
+        self.schedule
+            .norm_constant
+            .unwrap_or(self.clean.max_seq_len as f64)
+    }
+
+    /// Checks every value; no IO.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        validate_run_name(&self.run).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if self.clean.max_seq_len == 0 {
+            return bad("clean.max_seq_len must be at least 1".into());
+        }
+        if self.schedule.micro_batch_tokens < self.clean.max_seq_len {
+            return bad(format!(
+                "schedule.micro_batch_tokens ({}) must be at least clean.max_seq_len ({}) so that every sequence fits a micro-batch",
+                self.schedule.micro_batch_tokens, self.clean.max_seq_len
+            ));
+        }
+        let c = self.norm_constant();
+        if !(c.is_finite() && c > 0.0) {
+            return bad(format!(
+                "schedule.norm_constant must be positive and finite, not {c}"
+            ));
+        }
+        let a = &self.advantages;
+        if !(a.epsilon.is_finite() && a.epsilon > 0.0) {
+            return bad(format!(
+                "advantages.epsilon must be positive and finite, not {}",
+                a.epsilon
+            ));
+        }
+        if !(0.0..=1.0).contains(&a.per_call_discount) {
+            return bad(format!(
+                "advantages.per_call_discount must be in [0, 1], not {}",
+                a.per_call_discount
+            ));
+        }
+        if !a.per_call_weight.is_finite() {
+            return bad("advantages.per_call_weight must be finite".into());
+        }
+        if !self.rewards.final_reward_weight.is_finite() {
+            return bad("rewards.final_reward_weight must be finite".into());
+        }
+        if let Some((name, w)) = self
+            .rewards
+            .reward_weights
+            .iter()
+            .find(|(_, w)| !w.is_finite())
+        {
+            return bad(format!(
+                "rewards.reward_weights.{name} must be finite, not {w}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::advantages::Estimator;
+    use crate::schedule::LossAggMode;
+
+    #[test]
+    fn the_documented_file_is_the_default() {
+        let doc = include_str!("config.rs");
+        let toml_text: String = doc
+            .lines()
+            .skip_while(|l| !l.starts_with("//! ```toml"))
+            .skip(1)
+            .take_while(|l| !l.starts_with("//! ```"))
+            .map(|l| l.strip_prefix("//!").unwrap_or(l).trim_start_matches(' '))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let parsed: RunConfig = toml::from_str(&toml_text).unwrap();
+        let default = RunConfig::default();
+        assert_eq!(
+            serde_json::to_value(&parsed).unwrap(),
+            serde_json::to_value(&default).unwrap()
+        );
+        default.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_named() {
+        let err = toml::from_str::<RunConfig>("[clean]\nmax_seq_length = 3").unwrap_err();
+        assert!(err.to_string().contains("max_seq_length"), "{err}");
+        let cfg: RunConfig = toml::from_str(
+            "[advantages]\nestimator = \"rloo\"\n[schedule]\nloss_agg_mode = \"episode-mean\"\nmicro_batch_tokens = 10",
+        )
+        .unwrap();
+        assert_eq!(cfg.advantages.estimator, Estimator::Rloo);
+        assert_eq!(cfg.schedule.loss_agg_mode, LossAggMode::EpisodeMean);
+        let err = cfg.validate().unwrap_err();
+        assert!(err.to_string().contains("micro_batch_tokens"), "{err}");
+    }
+}
