@@ -276,7 +276,8 @@ async fn closed_loop(addr: SocketAddr, clients: usize, total: usize, stream: Mod
 }
 
 async fn open_loop(addr: SocketAddr, rate: u64, seconds: u64, stream: Mode) -> Run {
-    let workers = 32u64;
+    // A paced stream lasts ~20 ms, so it needs more connections to reach the rate.
+    let workers = if stream == Mode::SsePaced { 128u64 } else { 32 };
     let per_worker = rate * seconds / workers;
     let interval = Duration::from_nanos(1_000_000_000 * workers / rate);
     let started = Instant::now();
@@ -358,7 +359,7 @@ fn main() {
         }
         println!();
         let seconds = if quick { 2 } else { 5 };
-        println!("open loop at 1,000 requests/s for {seconds} s (32 keep-alive connections)");
+        println!("open loop at 1,000 requests/s for {seconds} s (32 keep-alive connections, 128 for paced streams)");
         println!("| mode | direct p50 | direct p99 | sidecar p50 | sidecar p99 | added p50 | added p99 | achieved req/s | sidecar CPU per request |");
         println!("|---|---|---|---|---|---|---|---|---|");
         for stream in [Mode::Json, Mode::Sse, Mode::SsePaced] {

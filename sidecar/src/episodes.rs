@@ -53,10 +53,18 @@ pub struct Attribution {
 
 #[derive(Debug, Default)]
 struct State {
+    /// Open episodes created here.
     episodes: HashMap<String, EpisodeInfo>,
+    /// Episodes that ended here, or that calls named without creating them here: their
+    /// calls keep counting (and keep task and group) without reopening anything.
+    /// Bounded: cleared when it reaches [`MAX_OTHER_EPISODES`].
+    others: HashMap<String, EpisodeInfo>,
     bound: Option<String>,
     unattributed_calls: u32,
 }
+
+/// Most ended or foreign episodes remembered for call numbering.
+const MAX_OTHER_EPISODES: usize = 10_000;
 
 /// The episode registry.
 #[derive(Debug, Default)]
@@ -78,13 +86,20 @@ impl Episodes {
         }
     }
 
-    /// Forgets an episode and unbinds it. Returns what was known of it.
+    /// Closes an episode and unbinds it. Returns what was known of it.
     pub fn end(&self, episode_id: &str) -> Option<EpisodeInfo> {
         let mut state = self.lock();
         if state.bound.as_deref() == Some(episode_id) {
             state.bound = None;
         }
-        state.episodes.remove(episode_id)
+        let info = state.episodes.remove(episode_id);
+        if let Some(info) = &info {
+            if state.others.len() >= MAX_OTHER_EPISODES {
+                state.others.clear();
+            }
+            state.others.insert(episode_id.to_owned(), info.clone());
+        }
+        info
     }
 
     /// The episode, if this sidecar created it and it has not ended.
@@ -128,7 +143,18 @@ impl Episodes {
                 ..Default::default()
             };
         }
-        let info = state.episodes.entry(episode_id.clone()).or_default();
+        let state = &mut *state;
+        let info = match state.episodes.get_mut(&episode_id) {
+            Some(info) => info,
+            None => {
+                if state.others.len() >= MAX_OTHER_EPISODES
+                    && !state.others.contains_key(&episode_id)
+                {
+                    state.others.clear();
+                }
+                state.others.entry(episode_id.clone()).or_default()
+            }
+        };
         let seq = info.calls;
         info.calls = seq.saturating_add(1);
         Attribution {
@@ -191,6 +217,35 @@ mod tests {
         assert_eq!((a.task_id.as_str(), a.seq), ("override", 1));
         eps.end("bound");
         assert_eq!(eps.attribute(Hints::default()).episode_id, "");
+    }
+
+    #[test]
+    fn late_and_foreign_calls_do_not_reopen_episodes() {
+        let eps = Episodes::default();
+        eps.create("a", info("t"), false);
+        eps.attribute(Hints {
+            path_episode: Some("a".into()),
+            ..Default::default()
+        });
+        eps.end("a");
+        let late = eps.attribute(Hints {
+            path_episode: Some("a".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            (late.seq, late.task_id.as_str()),
+            (1, "t"),
+            "a late call continues the numbering"
+        );
+        eps.attribute(Hints {
+            path_episode: Some("never-created".into()),
+            ..Default::default()
+        });
+        assert_eq!(eps.open(), 0);
+        assert!(
+            eps.get("a").is_none(),
+            "an ended episode can be created again"
+        );
     }
 
     #[test]
