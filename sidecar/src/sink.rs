@@ -306,10 +306,7 @@ impl RecordSink for Recorder {
             match spool.append(&self.options.sidecar_id, now_nanos(), &mut slot) {
                 Ok(_) => {
                     metrics.records_spooled.fetch_add(1, Ordering::Relaxed);
-                    if end
-                        || spool.open_bytes() >= self.options.segment_max_bytes
-                        || spool.open_records() >= self.options.segment_max_records
-                    {
+                    if end || segment_full(&spool, &self.options) {
                         seal(&mut spool, shared);
                     }
                     return Ack::ready(Ok(()));
@@ -345,6 +342,12 @@ impl RecordSink for Recorder {
             }
         }
     }
+}
+
+/// Whether the open spool file has reached a segment's size or record limit.
+fn segment_full(spool: &Spool, options: &RecorderOptions) -> bool {
+    spool.open_bytes() >= options.segment_max_bytes
+        || spool.open_records() >= options.segment_max_records
 }
 
 fn is_episode_end(kind: &RecordKind) -> bool {
@@ -386,9 +389,7 @@ fn writer_loop(rx: Receiver<Msg>, shared: &Shared, options: &RecorderOptions, qu
                 let _ = ack.send(result);
                 queued.fetch_sub(1, Ordering::AcqRel);
                 let mut spool = shared.spool();
-                let full = spool.open_bytes() >= options.segment_max_bytes
-                    || spool.open_records() >= options.segment_max_records;
-                if end || full {
+                if end || segment_full(&spool, options) {
                     seal(&mut spool, shared);
                 }
             }
