@@ -256,6 +256,15 @@ pub struct StoreRead {
     pub unreadable_segments: Vec<(String, String)>,
     /// Objects under the segments directory that are not segment keys.
     pub foreign_objects: u64,
+    /// SHA-256 (hex) of every segment read, by key: the provenance of a run's manifest.
+    pub checksums: std::collections::BTreeMap<String, String>,
+}
+
+/// Lower-case hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn cursor_path(prefix: &Path, run: &str) -> Path {
@@ -386,6 +395,7 @@ pub async fn read_store(
             read.reread_segments.push(rel);
             continue;
         }
+        read.checksums.insert(rel.clone(), sha256_hex(&bytes));
         let records = match decode_segment(&bytes, Limits::default()) {
             Ok(records) => records,
             Err(source) if options.skip_unreadable_segments => {

@@ -16,12 +16,14 @@
 //! [`pipeline::prepare`] runs stages 2–6; [`config::RunConfig`] configures them all.
 
 pub mod advantages;
+pub mod chart;
 pub mod clean;
 pub mod config;
 pub mod drift;
 pub mod ingest;
 pub mod merge;
 pub mod model;
+pub mod nn;
 pub mod output;
 pub mod pipeline;
 pub mod report;

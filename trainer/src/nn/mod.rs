@@ -1,0 +1,79 @@
+//! The libtorch backend (tch 0.26 = libtorch 2.13): the model, the policy-gradient
+//! update and the checkpoint.
+//!
+//! - [`config`] — `config.json` → [`TransformerConfig`], refusing what is not implemented;
+//! - [`weights`] — safetensors in (single or sharded, checked) and out;
+//! - [`model`] — [`Transformer`]: Llama / Qwen2 / Qwen3 with HF's conventions;
+//! - [`loss`] — PPO / GSPO surrogate with dual clip, truncated IS and KL;
+//! - [`optim`] — AdamW with fp32 moments, schedules, clipping;
+//! - [`train`] — mini-batches from the pipeline → optimizer steps, with metrics;
+//! - [`checkpoint`] — the HF directory a run writes.
+
+pub mod checkpoint;
+pub mod config;
+pub mod loss;
+pub mod model;
+pub mod optim;
+pub mod train;
+pub mod weights;
+
+pub use config::TransformerConfig;
+pub use model::Transformer;
+
+/// Why a model directory could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// `config.json` is missing, unreadable or unsupported.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    /// The weights are missing, corrupt or do not fit the config.
+    #[error(transparent)]
+    Weights(#[from] weights::WeightsError),
+    /// The device is not available.
+    #[error("{0}")]
+    Device(String),
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`; refuses CUDA when libtorch sees no GPU.
+pub fn parse_device(name: &str) -> Result<tch::Device, LoadError> {
+    let device = match name {
+        "cpu" => tch::Device::Cpu,
+        "cuda" => tch::Device::Cuda(0),
+        other => match other
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse::<usize>().ok())
+        {
+            Some(n) => tch::Device::Cuda(n),
+            None => {
+                return Err(LoadError::Device(format!(
+                    "--device {other:?}: expected cpu, cuda or cuda:N"
+                )));
+            }
+        },
+    };
+    if let tch::Device::Cuda(n) = device {
+        let count = tch::Cuda::device_count();
+        if n as i64 >= count {
+            return Err(LoadError::Device(format!(
+                "--device {name}: libtorch sees {count} CUDA device(s) (is this a CUDA build of torch, and is the driver visible?)"
+            )));
+        }
+    }
+    Ok(device)
+}
+
+/// The training dtype: `auto` is fp32 on CPU and bf16 on CUDA.
+pub fn parse_dtype(name: &str, device: tch::Device) -> Result<tch::Kind, LoadError> {
+    Ok(match name {
+        "auto" if device == tch::Device::Cpu => tch::Kind::Float,
+        "auto" => tch::Kind::BFloat16,
+        "float32" | "fp32" => tch::Kind::Float,
+        "bfloat16" | "bf16" => tch::Kind::BFloat16,
+        other => {
+            return Err(LoadError::Device(format!(
+                "dtype {other:?}: expected auto, float32 or bfloat16"
+            )));
+        }
+    })
+}

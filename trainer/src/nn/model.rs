@@ -1,0 +1,509 @@
+//! Llama / Qwen2 / Qwen3 decoder in libtorch, following transformers' code exactly:
+//! rotate-half RoPE with fp32 frequencies (Llama 3 rescaling when configured), RMSNorm
+//! upcast to fp32 then multiplied by the weight in the model dtype, GQA by repeating
+//! key/value heads, Qwen3's per-head q/k RMSNorm before RoPE, SiLU-gated MLP.
+//!
+//! Parameters are plain tensors named as in the HF checkpoint
+//! ([`Transformer::named_parameters`]); the optimizer and the checkpoint writer work on
+//! those names. The trunk ([`Transformer::trunk`]) and the head
+//! ([`Transformer::head_logprobs`]) are separate so that the update can run the head in
+//! chunks and recompute layers (see `nn::train`).
+
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use super::LoadError;
+use super::config::TransformerConfig;
+use super::weights::{Checkpoint, WeightsError};
+
+/// One decoder layer's weights.
+#[derive(Debug)]
+pub struct Layer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o_bias: Option<Tensor>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// Keys and values of earlier positions, per layer (`[batch, kv_heads, positions, head_dim]`).
+#[derive(Debug, Default)]
+pub struct KvCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: i64,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The model: configuration, device, dtype and weights.
+#[derive(Debug)]
+pub struct Transformer {
+    /// Its configuration.
+    pub config: TransformerConfig,
+    device: Device,
+    kind: Kind,
+    embed_tokens: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Tensor>,
+    inv_freq: Tensor,
+}
+
+/// `cat(-x2, x1)` over the last dimension.
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[x.dim() - 1] / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    Tensor::cat(&[x2.neg(), x1], -1)
+}
+
+/// transformers' RMSNorm: normalize in fp32, cast back, multiply by the weight.
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let kind = x.kind();
+    let xf = x.to_kind(Kind::Float);
+    let variance = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    let normed = &xf * (variance + eps).rsqrt();
+    weight * normed.to_kind(kind)
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    x.linear(w, b)
+}
+
+/// `[b, kv, t, d]` → `[b, kv * n_rep, t, d]`, as transformers' `repeat_kv`.
+fn repeat_kv(x: &Tensor, n_rep: i64) -> Tensor {
+    if n_rep == 1 {
+        return x.shallow_clone();
+    }
+    let s = x.size();
+    x.unsqueeze(2)
+        .expand([s[0], s[1], n_rep, s[2], s[3]], false)
+        .reshape([s[0], s[1] * n_rep, s[2], s[3]])
+}
+
+/// Inverse frequencies as transformers computes them, in fp32.
+fn inv_freq(config: &TransformerConfig, device: Device) -> Tensor {
+    let dim = config.head_dim;
+    let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device))
+        .to_kind(Kind::Float)
+        / dim as f64;
+    let base = Tensor::from(config.rope_theta as f32).to_device(device);
+    let inv = base.pow(&exponents).reciprocal();
+    match config.rope_llama3 {
+        None => inv,
+        Some(s) => {
+            let low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+            let high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+            let wavelen = inv.reciprocal() * (2.0 * std::f64::consts::PI);
+            let scaled = &inv / s.factor;
+            let inv_llama = wavelen.gt(low_freq_wavelen).where_self(&scaled, &inv);
+            let smooth = (wavelen.reciprocal() * s.original_max_position_embeddings
+                - s.low_freq_factor)
+                / (s.high_freq_factor - s.low_freq_factor);
+            let smoothed =
+                (smooth.ones_like() - &smooth) * &inv_llama / s.factor + &smooth * &inv_llama;
+            let is_medium = wavelen
+                .lt(high_freq_wavelen)
+                .logical_not()
+                .logical_and(&wavelen.gt(low_freq_wavelen).logical_not());
+            is_medium.where_self(&smoothed, &inv_llama)
+        }
+    }
+}
+
+impl Layer {
+    fn load(
+        ckpt: &Checkpoint,
+        c: &TransformerConfig,
+        i: i64,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self, WeightsError> {
+        let p = |name: &str, shape: &[i64]| {
+            ckpt.load(&format!("model.layers.{i}.{name}"), shape, kind, device)
+        };
+        let (d, h, kv, hd, f) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.intermediate_size,
+        );
+        let opt = |cond: bool, name: &str, shape: &[i64]| -> Result<Option<Tensor>, WeightsError> {
+            if cond {
+                p(name, shape).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(Layer {
+            input_layernorm: p("input_layernorm.weight", &[d])?,
+            post_attention_layernorm: p("post_attention_layernorm.weight", &[d])?,
+            q_proj: p("self_attn.q_proj.weight", &[h * hd, d])?,
+            k_proj: p("self_attn.k_proj.weight", &[kv * hd, d])?,
+            v_proj: p("self_attn.v_proj.weight", &[kv * hd, d])?,
+            o_proj: p("self_attn.o_proj.weight", &[d, h * hd])?,
+            q_bias: opt(c.qkv_bias, "self_attn.q_proj.bias", &[h * hd])?,
+            k_bias: opt(c.qkv_bias, "self_attn.k_proj.bias", &[kv * hd])?,
+            v_bias: opt(c.qkv_bias, "self_attn.v_proj.bias", &[kv * hd])?,
+            o_bias: opt(c.o_bias, "self_attn.o_proj.bias", &[d])?,
+            q_norm: opt(c.qk_norm, "self_attn.q_norm.weight", &[hd])?,
+            k_norm: opt(c.qk_norm, "self_attn.k_norm.weight", &[hd])?,
+            gate_proj: p("mlp.gate_proj.weight", &[f, d])?,
+            up_proj: p("mlp.up_proj.weight", &[f, d])?,
+            down_proj: p("mlp.down_proj.weight", &[d, f])?,
+        })
+    }
+
+    fn named(&self, i: usize, out: &mut Vec<(String, Tensor)>) {
+        let mut put = |name: &str, t: &Tensor| {
+            out.push((format!("model.layers.{i}.{name}"), t.shallow_clone()));
+        };
+        put("input_layernorm.weight", &self.input_layernorm);
+        put(
+            "post_attention_layernorm.weight",
+            &self.post_attention_layernorm,
+        );
+        put("self_attn.q_proj.weight", &self.q_proj);
+        put("self_attn.k_proj.weight", &self.k_proj);
+        put("self_attn.v_proj.weight", &self.v_proj);
+        put("self_attn.o_proj.weight", &self.o_proj);
+        for (name, t) in [
+            ("self_attn.q_proj.bias", &self.q_bias),
+            ("self_attn.k_proj.bias", &self.k_bias),
+            ("self_attn.v_proj.bias", &self.v_bias),
+            ("self_attn.o_proj.bias", &self.o_bias),
+            ("self_attn.q_norm.weight", &self.q_norm),
+            ("self_attn.k_norm.weight", &self.k_norm),
+        ] {
+            if let Some(t) = t {
+                put(name, t);
+            }
+        }
+        put("mlp.gate_proj.weight", &self.gate_proj);
+        put("mlp.up_proj.weight", &self.up_proj);
+        put("mlp.down_proj.weight", &self.down_proj);
+    }
+
+    /// One layer over `x` (`[b, t, d]`) at positions with the given `cos`/`sin`
+    /// (`[t, head_dim]`, model dtype). With a cache, appends this step's keys and values
+    /// and attends to everything cached.
+    fn forward(
+        &self,
+        c: &TransformerConfig,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<&mut (Tensor, Tensor)>,
+        past: i64,
+    ) -> Tensor {
+        let s = x.size();
+        let (b, t) = (s[0], s[1]);
+        let (h, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let hn = rms_norm(x, &self.input_layernorm, c.rms_norm_eps);
+        let mut q = linear(&hn, &self.q_proj, self.q_bias.as_ref()).view([b, t, h, hd]);
+        let mut k = linear(&hn, &self.k_proj, self.k_bias.as_ref()).view([b, t, kv, hd]);
+        let v = linear(&hn, &self.v_proj, self.v_bias.as_ref())
+            .view([b, t, kv, hd])
+            .transpose(1, 2);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = rms_norm(&q, qn, c.rms_norm_eps);
+            k = rms_norm(&k, kn, c.rms_norm_eps);
+        }
+        let q = q.transpose(1, 2);
+        let k = k.transpose(1, 2);
+        let q = &q * cos + rotate_half(&q) * sin;
+        let k = &k * cos + rotate_half(&k) * sin;
+        let (k, v) = match cache {
+            Some(slot) => {
+                let (k, v) = if past == 0 {
+                    (k, v)
+                } else {
+                    (
+                        Tensor::cat(&[&slot.0, &k], 2),
+                        Tensor::cat(&[&slot.1, &v], 2),
+                    )
+                };
+                *slot = (k.shallow_clone(), v.shallow_clone());
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let n_rep = h / kv;
+        let k = repeat_kv(&k, n_rep);
+        let v = repeat_kv(&v, n_rep);
+        let attn = if past == 0 {
+            Tensor::scaled_dot_product_attention::<Tensor>(
+                &q,
+                &k,
+                &v,
+                None,
+                0.0,
+                t > 1,
+                None,
+                false,
+            )
+        } else if t == 1 {
+            Tensor::scaled_dot_product_attention::<Tensor>(
+                &q, &k, &v, None, 0.0, false, None, false,
+            )
+        } else {
+            // New positions past..past+t see every cached position and the new ones up
+            // to themselves.
+            let total = past + t;
+            let rows = Tensor::arange_start(past, total, (Kind::Int64, x.device())).unsqueeze(1);
+            let cols = Tensor::arange(total, (Kind::Int64, x.device())).unsqueeze(0);
+            let mask = cols.le_tensor(&rows);
+            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, false)
+        };
+        let attn = attn.transpose(1, 2).reshape([b, t, h * hd]);
+        let x = x + linear(&attn, &self.o_proj, self.o_bias.as_ref());
+        let hn = rms_norm(&x, &self.post_attention_layernorm, c.rms_norm_eps);
+        let mlp = linear(
+            &(linear(&hn, &self.gate_proj, None).silu() * linear(&hn, &self.up_proj, None)),
+            &self.down_proj,
+            None,
+        );
+        x + mlp
+    }
+}
+
+impl Transformer {
+    /// Loads `dir` (config.json + safetensors) onto `device` in `kind`.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self, LoadError> {
+        let config = TransformerConfig::load(dir)?;
+        let ckpt = Checkpoint::open(dir)?;
+        Ok(Self::from_checkpoint(config, &ckpt, device, kind)?)
+    }
+
+    /// Builds the model from an indexed checkpoint.
+    pub fn from_checkpoint(
+        config: TransformerConfig,
+        ckpt: &Checkpoint,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self, WeightsError> {
+        let (v, d) = (config.vocab_size, config.hidden_size);
+        let embed_tokens = ckpt.load("model.embed_tokens.weight", &[v, d], kind, device)?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| Layer::load(ckpt, &config, i, kind, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = ckpt.load("model.norm.weight", &[d], kind, device)?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(ckpt.load("lm_head.weight", &[v, d], kind, device)?)
+        };
+        let inv_freq = inv_freq(&config, device);
+        let model = Transformer {
+            config,
+            device,
+            kind,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        };
+        let known: std::collections::BTreeSet<String> = model
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        if let Some(extra) = ckpt
+            .names()
+            .find(|n| !known.contains(*n) && !n.ends_with("rotary_emb.inv_freq"))
+            && !(model.config.tie_word_embeddings && *extra == *"lm_head.weight")
+        {
+            return Err(WeightsError::Mismatch {
+                message: format!(
+                    "the checkpoint has a tensor {extra} that a {} model with this config.json does not use",
+                    model.config.arch.name()
+                ),
+            });
+        }
+        Ok(model)
+    }
+
+    /// The device the weights are on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The weights' dtype.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Every parameter with its HF name (handles sharing the weights and their gradients).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![(
+            "model.embed_tokens.weight".to_owned(),
+            self.embed_tokens.shallow_clone(),
+        )];
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.named(i, &mut out);
+        }
+        out.push(("model.norm.weight".into(), self.norm.shallow_clone()));
+        if let Some(head) = &self.lm_head {
+            out.push(("lm_head.weight".into(), head.shallow_clone()));
+        }
+        out
+    }
+
+    /// Turns gradient tracking on or off for every parameter.
+    pub fn set_requires_grad(&mut self, on: bool) {
+        for (_, t) in self.named_parameters() {
+            let _ = t.set_requires_grad(on);
+        }
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// `cos`, `sin` for positions `start..start+len`, `[len, head_dim]` in the model dtype.
+    fn rope(&self, start: i64, len: i64) -> (Tensor, Tensor) {
+        let pos = Tensor::arange_start(start, start + len, (Kind::Int64, self.device))
+            .to_kind(Kind::Float);
+        let freqs = pos.unsqueeze(1).matmul(&self.inv_freq.unsqueeze(0));
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        (emb.cos().to_kind(self.kind), emb.sin().to_kind(self.kind))
+    }
+
+    /// Token embeddings of `ids` (`[b, t]`, int64 on the model's device).
+    pub fn embed(&self, ids: &Tensor) -> Tensor {
+        Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
+    }
+
+    /// Runs layers `range` over `x` starting at position `start`.
+    pub fn layers_forward(&self, x: &Tensor, start: i64, range: std::ops::Range<usize>) -> Tensor {
+        let (cos, sin) = self.rope(start, x.size()[1]);
+        let mut x = x.shallow_clone();
+        for layer in &self.layers[range] {
+            x = layer.forward(&self.config, &x, &cos, &sin, None, 0);
+        }
+        x
+    }
+
+    /// Every layer over `ids` (`[b, t]`), positions from 0: the hidden states before the
+    /// final norm, `[b, t, d]`.
+    pub fn trunk(&self, ids: &Tensor) -> Tensor {
+        self.layers_forward(&self.embed(ids), 0, 0..self.layers.len())
+    }
+
+    /// Runs `ids` (`[b, t]`) through the model with a cache, returning the hidden states
+    /// before the final norm.
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Tensor {
+        let t = ids.size()[1];
+        let past = cache.len;
+        let (cos, sin) = self.rope(past, t);
+        if cache.layers.is_empty() {
+            cache.layers = (0..self.layers.len())
+                .map(|_| (Tensor::new(), Tensor::new()))
+                .collect();
+        }
+        let mut x = self.embed(ids);
+        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(&self.config, &x, &cos, &sin, Some(slot), past);
+        }
+        cache.len += t;
+        x
+    }
+
+    /// Logits (fp32) of hidden states `h` (`[n, d]`, before the final norm).
+    pub fn logits(&self, h: &Tensor) -> Tensor {
+        let hn = rms_norm(h, &self.norm, self.config.rms_norm_eps);
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        hn.linear::<Tensor>(w, None).to_kind(Kind::Float)
+    }
+
+    /// Log-probability of `targets` (`[n]`) after hidden states `h` (`[n, d]`), computed
+    /// `chunk` rows at a time so that no `[n, vocab]` fp32 tensor exists; with
+    /// `entropy`, also the entropy of each row's distribution.
+    pub fn head_logprobs(
+        &self,
+        h: &Tensor,
+        targets: &Tensor,
+        chunk: i64,
+        entropy: bool,
+    ) -> (Tensor, Option<Tensor>) {
+        let n = h.size()[0];
+        let mut lps = Vec::new();
+        let mut ents = Vec::new();
+        let mut start = 0;
+        while start < n {
+            let len = chunk.min(n - start);
+            let logits = self.logits(&h.narrow(0, start, len));
+            let logp = logits.log_softmax(-1, Kind::Float);
+            let tgt = targets.narrow(0, start, len).unsqueeze(1);
+            lps.push(logp.gather(1, &tgt, false).squeeze_dim(1));
+            if entropy {
+                ents.push(-(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float));
+            }
+            start += len;
+        }
+        if lps.is_empty() {
+            let empty = Tensor::zeros([0], (Kind::Float, self.device));
+            return (empty.shallow_clone(), entropy.then_some(empty));
+        }
+        (Tensor::cat(&lps, 0), entropy.then(|| Tensor::cat(&ents, 0)))
+    }
+
+    /// Per-token log-probabilities of one sequence: entry `t - 1` is log p(ids[t] |
+    /// ids[..t]), for t = 1..len. No gradient.
+    pub fn sequence_logprobs(&self, ids: &[u32], chunk: i64) -> Result<Vec<f32>, String> {
+        self.check_ids(ids)?;
+        if ids.len() < 2 {
+            return Ok(Vec::new());
+        }
+        tch::no_grad(|| {
+            let t: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+            let input = Tensor::from_slice(&t).to_device(self.device);
+            let n = t.len() as i64;
+            let h = self
+                .trunk(&input.unsqueeze(0))
+                .squeeze_dim(0)
+                .narrow(0, 0, n - 1);
+            let targets = input.narrow(0, 1, n - 1);
+            let (lp, _) = self.head_logprobs(&h, &targets, chunk, false);
+            Vec::<f32>::try_from(lp.to_device(Device::Cpu)).map_err(|e| e.to_string())
+        })
+    }
+
+    /// Refuses ids outside the vocabulary (libtorch would abort on them).
+    pub fn check_ids(&self, ids: &[u32]) -> Result<(), String> {
+        match ids
+            .iter()
+            .find(|&&i| i64::from(i) >= self.config.vocab_size)
+        {
+            Some(bad) => Err(format!(
+                "token id {bad} is outside the model's vocabulary of {}",
+                self.config.vocab_size
+            )),
+            None => Ok(()),
+        }
+    }
+}

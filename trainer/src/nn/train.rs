@@ -1,0 +1,590 @@
+//! Mini-batches from the pipeline → optimizer steps on a [`Transformer`].
+//!
+//! One mini-batch is one optimizer step; its micro-batches each run forward and backward
+//! and accumulate gradients (the pipeline's weights already normalize the whole
+//! mini-batch, so nothing is divided here). For each micro-batch:
+//!
+//! 1. the trunk runs over the right-padded ids (`[b, t]`; causal attention keeps padding
+//!    out of every real position), with a graph, or without one when `recompute` is on
+//!    (then only each layer's input is kept);
+//! 2. the hidden states of the positions that predict a loss token are gathered, and the
+//!    head (final norm + `lm_head` + log-softmax) runs over them `logprob_chunk` rows at
+//!    a time without a graph, giving the log-probs and the entropy;
+//! 3. the loss ([`super::loss`]) is built on those log-probs as a leaf; its backward
+//!    gives `∂L/∂lp` per token;
+//! 4. the head runs again chunk by chunk with a graph, and `Σ lp·∂L/∂lp` is
+//!    back-propagated per chunk, so at most one chunk's `[rows, vocab]` fp32 logits exist;
+//! 5. the gradient reaching the trunk's output is back-propagated through the trunk, or,
+//!    with `recompute`, layer by layer from the top, each layer recomputed from its saved
+//!    input.
+//!
+//! The old log-probs of the surrogate are those of the weights at the start of the run:
+//! the first mini-batch takes them from its own forward pass (nothing has changed yet),
+//! later ones from a pass without a graph before the first update.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use super::loss::{self, LossOptions, LossStats, PolicyLoss, TokenInputs};
+use super::model::Transformer;
+use super::optim::{AdamW, LrSchedule, learning_rate};
+use crate::pipeline::{MicroBatch, MiniBatch};
+
+/// Settings of the update (section `[train]` of the run configuration).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainOptions {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// `constant` or `cosine` after the warmup.
+    pub lr_schedule: LrSchedule,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// Length of the cosine (default: the steps of this run).
+    pub total_steps: Option<u64>,
+    /// Floor of the cosine, as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// AdamW β1.
+    pub beta1: f64,
+    /// AdamW β2.
+    pub beta2: f64,
+    /// AdamW ε.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Gradient clipping by global norm (0: none; the norm is reported either way).
+    pub max_grad_norm: f64,
+    /// Passes over the mini-batches.
+    pub epochs: u32,
+    /// `ppo` (token ratio) or `gspo` (sequence ratio).
+    pub policy_loss: PolicyLoss,
+    /// `ε_low` of the clip.
+    pub clip_ratio_low: f64,
+    /// `ε_high` of the clip.
+    pub clip_ratio_high: f64,
+    /// Dual-clip constant `c` (> 1); 0 turns it off.
+    pub dual_clip: f64,
+    /// Truncated importance sampling cap against the inference log-probs; 0 turns it off.
+    pub tis_cap: f64,
+    /// KL penalty to the starting weights (0: none).
+    pub kl_coef: f64,
+    /// Rows of the head computed at once (bounds the fp32 logits to rows × vocab).
+    pub logprob_chunk: usize,
+    /// Recompute each layer in the backward pass instead of keeping its activations.
+    pub recompute: bool,
+    /// `auto` (fp32 on CPU, bf16 on CUDA), `float32` or `bfloat16`.
+    pub dtype: String,
+    /// Seed of libtorch's generator.
+    pub seed: u64,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            lr: 1e-6,
+            lr_schedule: LrSchedule::Constant,
+            warmup_steps: 0,
+            total_steps: None,
+            min_lr_ratio: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            max_grad_norm: 1.0,
+            epochs: 1,
+            policy_loss: PolicyLoss::Ppo,
+            clip_ratio_low: 0.2,
+            clip_ratio_high: 0.28,
+            dual_clip: 0.0,
+            tis_cap: 2.0,
+            kl_coef: 0.0,
+            logprob_chunk: 1024,
+            recompute: false,
+            dtype: "auto".into(),
+            seed: 0,
+        }
+    }
+}
+
+impl TrainOptions {
+    /// Checks every value; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("train.lr", self.lr),
+            ("train.eps", self.eps),
+            ("train.clip_ratio_low", self.clip_ratio_low),
+            ("train.clip_ratio_high", self.clip_ratio_high),
+        ];
+        for (name, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{name} must be positive and finite, not {v}"));
+            }
+        }
+        let non_negative = [
+            ("train.weight_decay", self.weight_decay),
+            ("train.max_grad_norm", self.max_grad_norm),
+            ("train.kl_coef", self.kl_coef),
+            ("train.tis_cap", self.tis_cap),
+            ("train.min_lr_ratio", self.min_lr_ratio),
+        ];
+        for (name, v) in non_negative {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("{name} must be a finite number >= 0, not {v}"));
+            }
+        }
+        for (name, v) in [("train.beta1", self.beta1), ("train.beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(format!("{name} must be in [0, 1), not {v}"));
+            }
+        }
+        if self.clip_ratio_low >= 1.0 {
+            return Err(format!(
+                "train.clip_ratio_low must be below 1, not {}",
+                self.clip_ratio_low
+            ));
+        }
+        if self.dual_clip != 0.0 && !(self.dual_clip.is_finite() && self.dual_clip > 1.0) {
+            return Err(format!(
+                "train.dual_clip must be 0 (off) or greater than 1, not {}",
+                self.dual_clip
+            ));
+        }
+        if self.epochs == 0 {
+            return Err("train.epochs must be at least 1".into());
+        }
+        if self.logprob_chunk == 0 {
+            return Err("train.logprob_chunk must be at least 1".into());
+        }
+        if !["auto", "float32", "fp32", "bfloat16", "bf16"].contains(&self.dtype.as_str()) {
+            return Err(format!(
+                "train.dtype must be auto, float32 or bfloat16, not {:?}",
+                self.dtype
+            ));
+        }
+        Ok(())
+    }
+
+    /// The loss settings.
+    pub fn loss(&self) -> LossOptions {
+        LossOptions {
+            policy_loss: self.policy_loss,
+            clip_ratio_low: self.clip_ratio_low,
+            clip_ratio_high: self.clip_ratio_high,
+            dual_clip: (self.dual_clip > 0.0).then_some(self.dual_clip),
+            tis_cap: (self.tis_cap > 0.0).then_some(self.tis_cap),
+            kl_coef: self.kl_coef,
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    /// Global step (continues the step count of the checkpoint trained from).
+    pub step: u64,
+    /// Epoch of this run.
+    pub epoch: u32,
+    /// Index of the mini-batch.
+    pub mini_batch: usize,
+    /// Learning rate used.
+    pub lr: f64,
+    /// The mini-batch loss `Σ w·ℓ`.
+    pub loss: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the step was skipped (non-finite gradient norm).
+    pub skipped: bool,
+    /// Fraction of loss tokens where the clip was active.
+    pub clip_fraction: f64,
+    /// Fraction of loss tokens where the dual clip was active.
+    pub dual_clip_fraction: f64,
+    /// Mean, min and max of the importance ratio.
+    pub ratio_mean: f64,
+    /// Smallest ratio.
+    pub ratio_min: f64,
+    /// Largest ratio.
+    pub ratio_max: f64,
+    /// Mean k3 estimate of KL(start ‖ current) over loss tokens.
+    pub kl: f64,
+    /// Mean entropy of the policy at loss tokens (nats).
+    pub entropy: f64,
+    /// Mean of `lp_train_old − lp_inference` over tokens with inference log-probs
+    /// (`null` when none has one).
+    pub inference_logprob_gap: Option<f64>,
+    /// Mean of `|lp_train_old − lp_inference|` over those tokens.
+    pub inference_logprob_abs_gap: Option<f64>,
+    /// Fraction of those tokens whose importance weight hit the cap.
+    pub tis_capped_fraction: Option<f64>,
+    /// Loss tokens.
+    pub loss_tokens: u64,
+    /// All tokens run through the model (prompt and completion).
+    pub tokens: u64,
+    /// Sequences.
+    pub sequences: u64,
+    /// Episodes.
+    pub episodes: u64,
+    /// Mean reward of the mini-batch's episodes.
+    pub reward_mean: f64,
+    /// Wall-clock seconds of the step.
+    pub seconds: f64,
+    /// `tokens / seconds`.
+    pub tokens_per_second: f64,
+}
+
+impl StepMetrics {
+    /// One readable line.
+    pub fn line(&self, total: usize) -> String {
+        format!(
+            "step {:>3}/{total} loss {:+.4} grad_norm {:.3}{} clip {:.3} ratio {:.3} [{:.3}, {:.3}] kl {:.2e} entropy {:.3} reward {:.3} lr {:.2e} tokens {} ({:.0} tok/s)",
+            self.step,
+            self.loss,
+            self.grad_norm,
+            if self.skipped { " (skipped)" } else { "" },
+            self.clip_fraction,
+            self.ratio_mean,
+            self.ratio_min,
+            self.ratio_max,
+            self.kl,
+            self.entropy,
+            self.reward_mean,
+            self.lr,
+            self.tokens,
+            self.tokens_per_second,
+        )
+    }
+}
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// A sequence holds an id outside the vocabulary.
+    #[error("sequence of episode {episode}: {message}")]
+    BadIds {
+        /// Its episode.
+        episode: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// libtorch refused an operation (out of memory, ...).
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+/// One micro-batch as tensors on the model's device.
+#[derive(Debug)]
+pub struct Gathered {
+    /// Right-padded ids `[b, t]`.
+    pub ids: Tensor,
+    /// Row of `[b·t]` whose hidden state predicts each loss token `[n]`.
+    pub rows: Tensor,
+    /// The loss tokens `[n]`.
+    pub targets: Tensor,
+    /// Advantages `[n]`.
+    pub advantages: Tensor,
+    /// Weights `[n]`.
+    pub weights: Tensor,
+    /// Inference log-probs `[n]` (NaN where absent).
+    pub inference: Tensor,
+    /// Sequence of each token `[n]`.
+    pub sequence: Tensor,
+    /// Sequences.
+    pub sequences: i64,
+    /// Loss tokens.
+    pub n: i64,
+    /// All tokens (unpadded).
+    pub tokens: u64,
+}
+
+/// Builds the tensors of a micro-batch. Position `t` (≥ 1) with loss mask 1 is
+/// predicted by row `b·T + t − 1`.
+pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
+    let b = mb.sequences.len();
+    let t = mb
+        .sequences
+        .iter()
+        .map(|s| s.sequence.len())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut ids = vec![0i64; b * t];
+    let (mut rows, mut targets, mut adv, mut w, mut inf, mut seq) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut tokens = 0u64;
+    for (i, s) in mb.sequences.iter().enumerate() {
+        let q = &s.sequence;
+        tokens += q.len() as u64;
+        for (j, id) in q.token_ids.iter().enumerate() {
+            ids[i * t + j] = i64::from(*id);
+        }
+        for j in 1..q.len() {
+            if q.loss_mask[j] == 0 {
+                continue;
+            }
+            rows.push((i * t + j - 1) as i64);
+            targets.push(i64::from(q.token_ids[j]));
+            adv.push(s.advantages[j] as f32);
+            w.push(s.weights[j] as f32);
+            inf.push(q.logprobs[j].map_or(f32::NAN, |x| x as f32));
+            seq.push(i as i64);
+        }
+    }
+    let f = |v: &[f32]| Tensor::from_slice(v).to_device(device);
+    let l = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+    Gathered {
+        ids: l(&ids).view([b as i64, t as i64]),
+        n: rows.len() as i64,
+        rows: l(&rows),
+        targets: l(&targets),
+        advantages: f(&adv),
+        weights: f(&w),
+        inference: f(&inf),
+        sequence: l(&seq),
+        sequences: b as i64,
+        tokens,
+    }
+}
+
+/// Log-probs of a micro-batch's loss tokens under the current weights, no graph.
+pub fn micro_logprobs(model: &Transformer, g: &Gathered, chunk: i64) -> Tensor {
+    tch::no_grad(|| {
+        let d = model.config.hidden_size;
+        let top = model.trunk(&g.ids).reshape([-1, d]);
+        let h = top.index_select(0, &g.rows);
+        model.head_logprobs(&h, &g.targets, chunk, false).0
+    })
+}
+
+/// Forward and backward of one micro-batch (gradients accumulate in the parameters).
+/// `old` are the old log-probs, or `None` to take them from this forward pass.
+/// Returns the loss statistics and the summed entropy.
+pub fn micro_step(
+    model: &Transformer,
+    g: &Gathered,
+    old: Option<&Tensor>,
+    options: &TrainOptions,
+) -> (LossStats, f64) {
+    if g.n == 0 {
+        return (LossStats::default(), 0.0);
+    }
+    let d = model.config.hidden_size;
+    let chunk = options.logprob_chunk as i64;
+    let layers = model.num_layers();
+    // 1. trunk
+    let mut saved = Vec::new();
+    let top = if options.recompute {
+        tch::no_grad(|| {
+            let mut x = model.embed(&g.ids);
+            for i in 0..layers {
+                let next = model.layers_forward(&x, 0, i..i + 1);
+                saved.push(x);
+                x = next;
+            }
+            x
+        })
+    } else {
+        model.trunk(&g.ids)
+    };
+    let top_leaf = top.detach().set_requires_grad(true);
+    let flat = top_leaf.reshape([-1, d]);
+    // 2. head without a graph
+    let (lp, entropy) = tch::no_grad(|| {
+        let h = flat.index_select(0, &g.rows);
+        model.head_logprobs(&h, &g.targets, chunk, true)
+    });
+    let entropy_sum = entropy.map_or(0.0, |e| e.sum(Kind::Float).double_value(&[]));
+    // 3. loss on a leaf
+    let lp_leaf = lp.detach().set_requires_grad(true);
+    let old = old.map_or_else(|| lp.detach(), Tensor::shallow_clone);
+    let inputs = TokenInputs {
+        old: &old,
+        inference: &g.inference,
+        advantages: &g.advantages,
+        weights: &g.weights,
+        sequence: &g.sequence,
+        sequences: g.sequences,
+    };
+    let (loss, stats) = loss::policy_loss(&lp_leaf, &inputs, &options.loss());
+    loss.backward();
+    let dlp = lp_leaf.grad();
+    // 4. head with a graph, chunk by chunk
+    let mut start = 0;
+    while start < g.n {
+        let len = chunk.min(g.n - start);
+        let h = flat.index_select(0, &g.rows.narrow(0, start, len));
+        let (lp_c, _) = model.head_logprobs(&h, &g.targets.narrow(0, start, len), len, false);
+        (lp_c * dlp.narrow(0, start, len))
+            .sum(Kind::Float)
+            .backward();
+        start += len;
+    }
+    // 5. trunk
+    let mut grad = top_leaf.grad();
+    if options.recompute {
+        for i in (0..layers).rev() {
+            let input = saved[i].detach().set_requires_grad(true);
+            let out = model.layers_forward(&input, 0, i..i + 1);
+            (out * &grad).sum(Kind::Float).backward();
+            grad = input.grad();
+        }
+        (model.embed(&g.ids) * &grad).sum(Kind::Float).backward();
+    } else {
+        (top * &grad).sum(Kind::Float).backward();
+    }
+    (stats, entropy_sum)
+}
+
+/// What [`train`] did.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainResult {
+    /// One entry per optimizer step.
+    pub steps: Vec<StepMetrics>,
+    /// Loss tokens trained on (all epochs).
+    pub loss_tokens: u64,
+    /// Tokens run through the model in training steps (all epochs).
+    pub tokens: u64,
+    /// Seconds computing the old log-probs.
+    pub old_logprob_seconds: f64,
+    /// Seconds of the whole update.
+    pub seconds: f64,
+}
+
+/// Runs every mini-batch `epochs` times; `first_step` is the global step count so far
+/// (for the schedule); `on_step` sees each step's metrics as they happen.
+pub fn train(
+    model: &mut Transformer,
+    mini_batches: &[MiniBatch],
+    options: &TrainOptions,
+    first_step: u64,
+    mut on_step: impl FnMut(&StepMetrics),
+) -> Result<TrainResult, TrainError> {
+    let started = Instant::now();
+    tch::manual_seed(options.seed as i64);
+    for mb in mini_batches {
+        for micro in &mb.micro_batches {
+            for s in &micro.sequences {
+                model
+                    .check_ids(&s.sequence.token_ids)
+                    .map_err(|message| TrainError::BadIds {
+                        episode: s.episode_id.clone(),
+                        message,
+                    })?;
+            }
+        }
+    }
+    let device = model.device();
+    let chunk = options.logprob_chunk as i64;
+    // Old log-probs of every mini-batch after the first (the first uses its own pass).
+    let old_started = Instant::now();
+    let needs_old = |k: usize, epoch: u32| epoch > 0 || k > 0;
+    let mut old: Vec<Vec<Option<Tensor>>> = Vec::with_capacity(mini_batches.len());
+    for (k, mb) in mini_batches.iter().enumerate() {
+        let compute = needs_old(k, 0) || options.epochs > 1;
+        old.push(
+            mb.micro_batches
+                .iter()
+                .map(|micro| compute.then(|| micro_logprobs(model, &gather(micro, device), chunk)))
+                .collect(),
+        );
+    }
+    let old_logprob_seconds = old_started.elapsed().as_secs_f64();
+
+    model.set_requires_grad(true);
+    let params: Vec<Tensor> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    let mut optimizer = AdamW::new(
+        params,
+        options.beta1,
+        options.beta2,
+        options.eps,
+        options.weight_decay,
+    );
+    let run_steps = mini_batches.len() as u64 * u64::from(options.epochs);
+    let total_steps = options.total_steps.unwrap_or(first_step + run_steps);
+    let mut result = TrainResult {
+        steps: Vec::new(),
+        loss_tokens: 0,
+        tokens: 0,
+        old_logprob_seconds,
+        seconds: 0.0,
+    };
+    let mut step = first_step;
+    for epoch in 0..options.epochs {
+        for (k, mb) in mini_batches.iter().enumerate() {
+            let step_started = Instant::now();
+            optimizer.zero_grad();
+            let mut stats = LossStats::default();
+            let mut entropy = 0.0;
+            let mut tokens = 0;
+            let mut sequences = 0;
+            let mut rewards = std::collections::BTreeMap::new();
+            for (m, micro) in mb.micro_batches.iter().enumerate() {
+                let g = gather(micro, device);
+                let (s, e) = micro_step(model, &g, old[k][m].as_ref(), options);
+                stats.merge(&s);
+                entropy += e;
+                tokens += g.tokens;
+                sequences += micro.sequences.len() as u64;
+                for s in &micro.sequences {
+                    rewards.insert(s.episode_id.clone(), s.reward);
+                }
+            }
+            let grad_norm = optimizer.clip_grad_norm(options.max_grad_norm);
+            let lr = learning_rate(
+                options.lr_schedule,
+                options.lr,
+                options.warmup_steps,
+                total_steps,
+                options.min_lr_ratio,
+                step,
+            );
+            let skipped = !grad_norm.is_finite();
+            if !skipped {
+                optimizer.step(lr);
+            }
+            optimizer.zero_grad();
+            let seconds = step_started.elapsed().as_secs_f64();
+            let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
+            let inf = stats.inference_tokens;
+            let metrics = StepMetrics {
+                step: step + 1,
+                epoch,
+                mini_batch: k,
+                lr,
+                loss: stats.loss,
+                grad_norm,
+                skipped,
+                clip_fraction: per(stats.clipped, stats.tokens),
+                dual_clip_fraction: per(stats.dual_clipped, stats.tokens),
+                ratio_mean: per(stats.ratio_sum, stats.tokens),
+                ratio_min: stats.ratio_min,
+                ratio_max: stats.ratio_max,
+                kl: per(stats.kl_sum, stats.tokens),
+                entropy: per(entropy, stats.tokens),
+                inference_logprob_gap: (inf > 0.0).then(|| stats.inference_gap_sum / inf),
+                inference_logprob_abs_gap: (inf > 0.0).then(|| stats.inference_abs_gap_sum / inf),
+                tis_capped_fraction: (inf > 0.0).then(|| stats.tis_capped / inf),
+                loss_tokens: stats.tokens as u64,
+                tokens,
+                sequences,
+                episodes: rewards.len() as u64,
+                reward_mean: per(rewards.values().sum(), rewards.len() as f64),
+                seconds,
+                tokens_per_second: per(tokens as f64, seconds),
+            };
+            result.loss_tokens += metrics.loss_tokens;
+            result.tokens += tokens;
+            on_step(&metrics);
+            result.steps.push(metrics);
+            step += 1;
+        }
+    }
+    model.set_requires_grad(false);
+    result.seconds = started.elapsed().as_secs_f64();
+    Ok(result)
+}
