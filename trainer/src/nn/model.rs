@@ -117,7 +117,7 @@ fn inv_freq(config: &TransformerConfig, device: Device) -> Tensor {
             let high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
             let wavelen = inv.reciprocal() * (2.0 * std::f64::consts::PI);
             let scaled = &inv / s.factor;
-            let inv_llama = wavelen.gt(low_freq_wavelen).where_self(&scaled, &inv);
+            let inv_llama = scaled.where_self(&wavelen.gt(low_freq_wavelen), &inv);
             let smooth = (wavelen.reciprocal() * s.original_max_position_embeddings
                 - s.low_freq_factor)
                 / (s.high_freq_factor - s.low_freq_factor);
@@ -127,7 +127,7 @@ fn inv_freq(config: &TransformerConfig, device: Device) -> Tensor {
                 .lt(high_freq_wavelen)
                 .logical_not()
                 .logical_and(&wavelen.gt(low_freq_wavelen).logical_not());
-            is_medium.where_self(&smoothed, &inv_llama)
+            smoothed.where_self(&is_medium, &inv_llama)
         }
     }
 }

@@ -135,7 +135,7 @@ impl AdamW {
                 let update = (&*m / bc1) / denom;
                 let mut master = p.to_kind(Kind::Float);
                 if self.weight_decay != 0.0 {
-                    master = master * (1.0 - lr * self.weight_decay);
+                    master *= 1.0 - lr * self.weight_decay;
                 }
                 let new = master - update * lr;
                 let _ = p.f_copy_(&new.to_kind(p.kind()));

@@ -1,0 +1,197 @@
+//! The record of a training run: `manifest.json` (everything needed to know what the
+//! run read, did, cost and wrote) and `chart.png` (reward, loss and gradient norm per
+//! step). `manifest.json` is written last, so its presence means the checkpoint
+//! directory is complete.
+
+use std::path::Path;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::train::{StepMetrics, TrainResult};
+use crate::chart::{Panel, Series};
+
+/// Name of the manifest's format.
+pub const FORMAT: &str = "tapline.train_run.v1";
+
+/// The commit the binary was built from (`unknown` outside a git checkout).
+pub const GIT_COMMIT: &str = env!("TAPLINE_GIT_COMMIT");
+
+/// One input segment.
+#[derive(Debug, Clone, Serialize)]
+pub struct InputSegment {
+    /// Key relative to the store prefix.
+    pub key: String,
+    /// SHA-256 of its bytes.
+    pub sha256: String,
+}
+
+/// Where the time went, in seconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Phases {
+    /// Listing and reading segments.
+    pub ingest: f64,
+    /// Clean, tokenize, merge, advantages, schedule.
+    pub prepare: f64,
+    /// Loading the model.
+    pub load_model: f64,
+    /// Old log-probs before the first update.
+    pub old_logprobs: f64,
+    /// Optimizer steps.
+    pub update: f64,
+    /// Writing the checkpoint.
+    pub checkpoint: f64,
+}
+
+/// What the run cost.
+#[derive(Debug, Clone, Serialize)]
+pub struct Compute {
+    /// `cpu` or `cuda:N`.
+    pub device: String,
+    /// The CPU model or GPU name.
+    pub device_name: String,
+    /// Training dtype.
+    pub dtype: String,
+    /// Wall-clock seconds of the whole run.
+    pub wall_clock_seconds: f64,
+    /// Seconds the GPU was held (the wall clock of the run when on CUDA, else 0).
+    pub gpu_seconds: f64,
+    /// CPU time of the process (user + system), seconds.
+    pub cpu_seconds: f64,
+    /// Peak resident memory of the process, bytes.
+    pub peak_rss_bytes: u64,
+    /// Per phase.
+    pub phases: Phases,
+}
+
+/// The run manifest.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunManifest {
+    /// [`FORMAT`].
+    pub format: &'static str,
+    /// tapline's version.
+    pub tapline_version: &'static str,
+    /// [`GIT_COMMIT`].
+    pub git_commit: &'static str,
+    /// The command line.
+    pub command: Vec<String>,
+    /// Unix seconds at the start.
+    pub started_unix_secs: u64,
+    /// The full run configuration.
+    pub config: Value,
+    /// The seed of the update.
+    pub seed: u64,
+    /// Model trained from.
+    pub model: Value,
+    /// The store, as displayed (no credentials).
+    pub store: String,
+    /// The cursor name, when one was used.
+    pub run: Option<String>,
+    /// Every segment read, with its checksum.
+    pub input_segments: Vec<InputSegment>,
+    /// Cleaning, tokenization, drift, merge and batch report.
+    pub report: Value,
+    /// Loss tokens trained on (all epochs).
+    pub loss_tokens_trained: u64,
+    /// Tokens run through the model in training steps.
+    pub tokens_trained: u64,
+    /// Per-step metrics.
+    pub steps: Vec<StepMetrics>,
+    /// Time, device and memory.
+    pub compute: Compute,
+    /// The checkpoint written.
+    pub checkpoint: Value,
+}
+
+impl RunManifest {
+    /// Writes `dir/manifest.json` (through a temporary file and a rename).
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        let tmp = dir.join("manifest.json.partial");
+        let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, dir.join("manifest.json"))
+    }
+}
+
+/// The chart of a run: reward, loss and gradient norm per step.
+pub fn write_chart(path: &Path, title: &str, result: &TrainResult) -> std::io::Result<()> {
+    let series = |name: &str, f: &dyn Fn(&StepMetrics) -> f64| Series {
+        name: name.into(),
+        points: result.steps.iter().map(|s| (s.step as f64, f(s))).collect(),
+    };
+    let panel = |title: &str, s: Vec<Series>| Panel {
+        title: title.into(),
+        x_label: "step".into(),
+        series: s,
+    };
+    crate::chart::write_png(
+        path,
+        title,
+        &[
+            panel("mean reward", vec![series("reward", &|s| s.reward_mean)]),
+            panel("loss", vec![series("loss", &|s| s.loss)]),
+            panel(
+                "gradient norm (before clipping)",
+                vec![series("grad norm", &|s| s.grad_norm)],
+            ),
+        ],
+    )
+}
+
+/// CPU time of this process (user + system) in seconds, from `/proc/self/stat`.
+pub fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which may contain spaces) start after ") ".
+    let rest = stat.rsplit_once(") ").map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // utime and stime are fields 14 and 15 (1-based), i.e. 11 and 12 after the name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// Peak resident set size (`VmHWM`) in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// A name for the device: the CPU model, or the GPU's name from `nvidia-smi`.
+pub fn device_name(device: tch::Device) -> String {
+    match device {
+        tch::Device::Cuda(n) => std::process::Command::new("nvidia-smi")
+            .args([
+                "--query-gpu=name",
+                "--format=csv,noheader",
+                "-i",
+                &n.to_string(),
+            ])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| format!("cuda:{n}")),
+        _ => std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("model name"))
+                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
+            .map(|m| format!("{m} ({} threads)", tch::get_num_threads()))
+            .unwrap_or_else(|| "cpu".into()),
+    }
+}

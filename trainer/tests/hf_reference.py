@@ -1,0 +1,214 @@
+"""Reference models and log-probabilities for the trainer's model tests, from transformers.
+
+The Rust tests run this with the test venv's Python (`TAPLINE_PYTHON`). Everything runs on
+the CPU in float32 and is deterministic for a given seed.
+
+    python hf_reference.py tiny --arch qwen2|qwen3|llama --out DIR [--seed N] [--tie]
+                                [--shards] [--legacy-rope]
+
+writes a tiny random model (vocabulary 320, hidden size 64, 4 attention heads over 2 KV
+heads, MLP 128) as a Hugging Face directory (config.json, generation_config.json,
+model.safetensors, or model-0000i-of-0000n.safetensors and model.safetensors.index.json
+with `--shards`). Weights are drawn with a larger spread than a real initialisation
+(std 0.1; RMSNorm weights 1 + 0.2 N(0, 1); biases 0.1 N(0, 1)) so that log-probabilities
+are far from uniform and a mistake in any part of the forward pass shows. The archs
+differ where implementations tend to go wrong:
+
+- qwen2: 2 layers, q/k/v projection biases, rope_theta 1e4;
+- qwen3: 3 layers, head_dim 32 (not hidden/heads = 16), q/k RMSNorm, rope_theta 1e6;
+- llama: 2 layers, Llama 3 rope scaling (rope_type "llama3", factor 8, low/high frequency
+  factors 1 and 4, original_max_position_embeddings 64, rope_theta 5e5): with head_dim 16
+  the rotary frequencies fall in all three bands of the scaling (kept, interpolated,
+  divided by 8); it changes log-probabilities from the third token on (by 0.01 to 0.07
+  nats over the first ones for seed 0).
+
+`--tie` ties the output projection to the embedding (tie_word_embeddings). transformers 5
+writes the rope settings as `rope_parameters` ({"rope_type", "rope_theta", ...}) and no
+top-level `rope_theta` or `rope_scaling`; `--legacy-rope` rewrites config.json the way
+transformers 4 wrote it (and most checkpoints on the Hub still are): top-level
+`rope_theta`, plus `rope_scaling` when the rope type is not "default".
+
+    python hf_reference.py logprobs --model DIR < {"sequences": [[id, ...], ...]}
+
+prints {"logprobs": [[...], ...]}: for each sequence of n ids, the n - 1 values
+log_softmax(logits[t - 1])[ids[t]] for t = 1 .. n - 1 (float32 model in eval mode, default
+attention implementation, one sequence at a time without padding; the log-softmax is taken
+in float64 of the float32 logits). Nothing else is written on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+VOCAB = 320
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+INTERMEDIATE = 128
+WEIGHT_STD = 0.1
+NORM_STD = 0.2
+BIAS_STD = 0.1
+
+
+def log(message: str) -> None:
+    print(f"hf_reference: {message}", file=sys.stderr, flush=True)
+
+
+def tiny_config(arch: str, tie: bool):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(
+            num_hidden_layers=2,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            **common,
+        )
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            num_hidden_layers=3,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            **common,
+        )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            num_hidden_layers=2,
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
+    raise SystemExit(f"unknown arch {arch!r}")
+
+
+def randomize(model, seed: int) -> None:
+    """Redraws every parameter from a generator seeded with `seed`, in name order, so the
+    weights depend on the seed only (not on how transformers initialises)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # named_parameters() lists a tied weight once.
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if name.endswith(".bias"):
+                param.copy_(BIAS_STD * noise)
+            elif "norm" in name:
+                param.copy_(1.0 + NORM_STD * noise)
+            else:
+                param.copy_(WEIGHT_STD * noise)
+
+
+def legacy_rope(config_file: Path) -> None:
+    config = json.loads(config_file.read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = rope
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def tiny(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(args.seed)
+    config = tiny_config(args.arch, args.tie)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(model, args.seed)
+    model.eval()
+    args.out.mkdir(parents=True, exist_ok=True)
+    # A shard limit below one layer's size (about 150 kB) gives a few shards.
+    max_shard_size = "200KB" if args.shards else "50GB"
+    model.save_pretrained(args.out, max_shard_size=max_shard_size)
+    if args.legacy_rope:
+        legacy_rope(args.out / "config.json")
+    for file in args.out.iterdir():
+        file.chmod(0o644)  # transformers writes the weights through 0600 temporary files
+    params = sum(p.numel() for p in model.parameters())
+    log(f"wrote a {args.arch} model ({params} parameters, seed {args.seed}) to {args.out}")
+
+
+def logprobs(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    request = json.load(sys.stdin)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, device_map="cpu")
+    model.eval()
+    started = time.monotonic()
+    out = []
+    with torch.no_grad():
+        for ids in request["sequences"]:
+            if len(ids) < 2:
+                out.append([])
+                continue
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            logits = model(input_ids=input_ids).logits[0, :-1].to(torch.float64)
+            picked = logits.log_softmax(-1).gather(-1, input_ids[0, 1:, None])[:, 0]
+            out.append(picked.tolist())
+    tokens = sum(len(ids) for ids in request["sequences"])
+    log(
+        f"{len(out)} sequences, {tokens} tokens in {time.monotonic() - started:.2f}s "
+        f"({model.config._attn_implementation} attention)"
+    )
+    return {"logprobs": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("tiny", help="write a tiny random model")
+    p.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie", action="store_true", help="tie_word_embeddings")
+    p.add_argument("--shards", action="store_true", help="save in several safetensors shards")
+    p.add_argument("--legacy-rope", action="store_true", help="transformers 4 rope keys in config.json")
+    p = commands.add_parser("logprobs", help="log-probabilities of sequences read from stdin")
+    p.add_argument("--model", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.use_deterministic_algorithms(True)
+    hf_logging.disable_progress_bar()
+    # Whatever transformers or torch print goes to stderr: stdout carries only the answer.
+    with contextlib.redirect_stdout(sys.stderr):
+        result = tiny(args) if args.command == "tiny" else logprobs(args)
+    if result is not None:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

