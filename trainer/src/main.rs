@@ -42,6 +42,8 @@ enum Command {
     Train(TrainArgs),
     /// `{"ids": [...]}` on stdin → `{"logprobs": [...]}` of each token after the first.
     Score(ScoreArgs),
+    /// Update throughput (tokens/s, MFU) on random weights of a real model's shape.
+    BenchUpdate(BenchArgs),
     /// One chat request on stdin → `{"ids": [...]}`, the prompt ids `prepare` would use.
     Tokenize(TokenizeArgs),
 }
@@ -155,6 +157,37 @@ struct ScoreArgs {
 }
 
 #[derive(Args)]
+struct BenchArgs {
+    /// Model shape: tiny, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b.
+    #[arg(long, default_value = "qwen2.5-0.5b")]
+    preset: String,
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// auto (fp32 on CPU, bf16 on CUDA), float32 or bfloat16.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+    /// Sequences per optimizer step (one per micro-batch).
+    #[arg(long, default_value_t = 8)]
+    sequences: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    seq_len: usize,
+    /// Steps before measuring.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Measured steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Recompute layers in the backward pass.
+    #[arg(long)]
+    recompute: bool,
+    /// Peak FLOP/s of the device in TFLOP/s, for MFU (known GPUs are looked up by name).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+}
+
+#[derive(Args)]
 struct TokenizeArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -181,6 +214,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prepare(args) => prepare(args),
         Command::Train(args) => train(args),
         Command::Score(args) => score(&args),
+        Command::BenchUpdate(args) => bench_update(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
     }
 }
@@ -508,5 +542,61 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         .sequence_logprobs(&ids, 1024)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("{}", serde_json::json!({ "logprobs": logprobs }));
+    Ok(())
+}
+
+fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
+    let device = nn::parse_device(&args.device)?;
+    let kind = nn::parse_dtype(&args.dtype, device)?;
+    anyhow::ensure!(args.seq_len >= 2, "--seq-len must be at least 2");
+    anyhow::ensure!(
+        args.sequences >= 1 && args.steps >= 1,
+        "--sequences and --steps must be at least 1"
+    );
+    let options = nn::train::TrainOptions {
+        recompute: args.recompute,
+        ..Default::default()
+    };
+    println!(
+        "bench-update: {} on {} ({kind:?}), {} x {} tokens per step, {} warmup + {} measured steps{}",
+        args.preset,
+        nn::manifest::device_name(device),
+        args.sequences,
+        args.seq_len,
+        args.warmup,
+        args.steps,
+        if args.recompute { ", recompute" } else { "" }
+    );
+    let result = nn::bench::run(
+        &args.preset,
+        device,
+        kind,
+        args.sequences,
+        args.seq_len,
+        args.warmup,
+        args.steps,
+        &options,
+        args.peak_tflops.map(|t| t * 1e12),
+        |i, secs| {
+            let tag = if i < args.warmup { "warmup" } else { "step" };
+            println!(
+                "  {tag} {i}: {secs:.2}s ({:.0} tok/s)",
+                (args.sequences * args.seq_len) as f64 / secs
+            );
+        },
+    )
+    .map_err(|e| anyhow::anyhow!(e))?;
+    println!(
+        "bench-update: {:.0}M parameters, median {:.0} tokens/s, {:.1} TFLOP/s model FLOPs, MFU {}, peak RSS {:.2} GiB",
+        result.parameters as f64 / 1e6,
+        result.tokens_per_second,
+        result.model_flops / 1e12,
+        result.mfu.map_or(
+            "n/a (unknown peak; pass --peak-tflops)".into(),
+            |m| format!("{:.1}%", m * 100.0)
+        ),
+        result.peak_rss_bytes as f64 / (1u64 << 30) as f64,
+    );
+    println!("{}", serde_json::to_string(&result)?);
     Ok(())
 }

@@ -4,6 +4,9 @@
 //!   `cargo clippy --all-targets -D warnings` and every test in the workspace. It is the
 //!   one test command: CI (`.ci/run`) calls it, and README.md names it.
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
+//! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
+//!   training steps of 0.5B and 1.7B Qwen-shaped models (random weights) with bf16 on
+//!   CUDA; prints tokens/s and MFU.
 //!
 //! Everything this installs goes under `.cache/` at the repository root (git-ignored), so
 //! a second run is fast and `rm -rf .cache` starts over.
@@ -21,7 +24,8 @@ const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
   test    install what is missing, then fmt check, clippy and every test
-  demo    run the closed training loop on this machine";
+  demo       run the closed training loop on this machine
+  gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -30,6 +34,7 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(&root, &args[1..]),
         Some("demo") => demo(),
+        Some("gpu-check") => gpu_check(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -141,6 +146,46 @@ fn run(cmd: &mut Command) -> anyhow::Result<()> {
         .with_context(|| format!("cannot start {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} exited with {status}");
+    }
+    Ok(())
+}
+
+/// `cargo xtask gpu-check [-- extra bench-update flags]`: release build of the trainer,
+/// then `tapline-trainer bench-update` on CUDA for Qwen2.5-0.5B and Qwen3-1.7B shapes.
+fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
+    let python = step("python environment (torch)", || ensure_venv(root))?;
+    step("cargo build --release -p tapline-trainer", || {
+        run(torch_env(
+            Command::new("cargo").args(["build", "--release", "-p", "tapline-trainer"]),
+            &python,
+        ))
+    })?;
+    let trainer = root.join("target/release/tapline-trainer");
+    let extra: Vec<&String> = extra.iter().filter(|a| *a != "--").collect();
+    let device = extra
+        .iter()
+        .position(|a| *a == "--device")
+        .and_then(|i| extra.get(i + 1))
+        .map_or("cuda", |d| d.as_str());
+    for (preset, sequences, seq_len, recompute) in [
+        ("qwen2.5-0.5b", "8", "2048", false),
+        ("qwen3-1.7b", "8", "2048", true),
+    ] {
+        step(&format!("bench-update {preset} on {device}"), || {
+            let mut cmd = Command::new(&trainer);
+            cmd.args(["bench-update", "--preset", preset, "--sequences", sequences])
+                .args(["--seq-len", seq_len, "--warmup", "2", "--steps", "5"]);
+            if !extra.iter().any(|a| *a == "--device") {
+                cmd.args(["--device", "cuda"]);
+            }
+            if recompute {
+                cmd.arg("--recompute");
+            }
+            cmd.args(extra.iter().map(|s| s.as_str()));
+            run(&mut cmd).context(
+                "bench-update failed (on a machine without a GPU, `--device cuda` is refused; pass `-- --device cpu --sequences 1 --seq-len 128` to try the script on CPU)",
+            )
+        })?;
     }
     Ok(())
 }

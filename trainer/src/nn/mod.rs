@@ -9,6 +9,7 @@
 //! - [`train`] — mini-batches from the pipeline → optimizer steps, with metrics;
 //! - [`checkpoint`] — the HF directory a run writes.
 
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod loss;

@@ -17,6 +17,9 @@ use super::LoadError;
 use super::config::TransformerConfig;
 use super::weights::{Checkpoint, WeightsError};
 
+/// Gives the tensor of a name with a shape (from a checkpoint, or random).
+pub type TensorSource<'a> = dyn FnMut(&str, &[i64]) -> Result<Tensor, WeightsError> + 'a;
+
 /// One decoder layer's weights.
 #[derive(Debug)]
 pub struct Layer {
@@ -134,15 +137,11 @@ fn inv_freq(config: &TransformerConfig, device: Device) -> Tensor {
 
 impl Layer {
     fn load(
-        ckpt: &Checkpoint,
+        source: &mut TensorSource<'_>,
         c: &TransformerConfig,
         i: i64,
-        kind: Kind,
-        device: Device,
     ) -> Result<Self, WeightsError> {
-        let p = |name: &str, shape: &[i64]| {
-            ckpt.load(&format!("model.layers.{i}.{name}"), shape, kind, device)
-        };
+        let mut p = |name: &str, shape: &[i64]| source(&format!("model.layers.{i}.{name}"), shape);
         let (d, h, kv, hd, f) = (
             c.hidden_size,
             c.num_attention_heads,
@@ -150,13 +149,20 @@ impl Layer {
             c.head_dim,
             c.intermediate_size,
         );
-        let opt = |cond: bool, name: &str, shape: &[i64]| -> Result<Option<Tensor>, WeightsError> {
+        let mut opt = |cond: bool, name: &str, shape: &[i64]| {
             if cond {
                 p(name, shape).map(Some)
             } else {
                 Ok(None)
             }
         };
+        let q_bias = opt(c.qkv_bias, "self_attn.q_proj.bias", &[h * hd])?;
+        let k_bias = opt(c.qkv_bias, "self_attn.k_proj.bias", &[kv * hd])?;
+        let v_bias = opt(c.qkv_bias, "self_attn.v_proj.bias", &[kv * hd])?;
+        let o_bias = opt(c.o_bias, "self_attn.o_proj.bias", &[d])?;
+        let q_norm = opt(c.qk_norm, "self_attn.q_norm.weight", &[hd])?;
+        let k_norm = opt(c.qk_norm, "self_attn.k_norm.weight", &[hd])?;
+        let mut p = |name: &str, shape: &[i64]| source(&format!("model.layers.{i}.{name}"), shape);
         Ok(Layer {
             input_layernorm: p("input_layernorm.weight", &[d])?,
             post_attention_layernorm: p("post_attention_layernorm.weight", &[d])?,
@@ -164,12 +170,12 @@ impl Layer {
             k_proj: p("self_attn.k_proj.weight", &[kv * hd, d])?,
             v_proj: p("self_attn.v_proj.weight", &[kv * hd, d])?,
             o_proj: p("self_attn.o_proj.weight", &[d, h * hd])?,
-            q_bias: opt(c.qkv_bias, "self_attn.q_proj.bias", &[h * hd])?,
-            k_bias: opt(c.qkv_bias, "self_attn.k_proj.bias", &[kv * hd])?,
-            v_bias: opt(c.qkv_bias, "self_attn.v_proj.bias", &[kv * hd])?,
-            o_bias: opt(c.o_bias, "self_attn.o_proj.bias", &[d])?,
-            q_norm: opt(c.qk_norm, "self_attn.q_norm.weight", &[hd])?,
-            k_norm: opt(c.qk_norm, "self_attn.k_norm.weight", &[hd])?,
+            q_bias,
+            k_bias,
+            v_bias,
+            o_bias,
+            q_norm,
+            k_norm,
             gate_proj: p("mlp.gate_proj.weight", &[f, d])?,
             up_proj: p("mlp.up_proj.weight", &[f, d])?,
             down_proj: p("mlp.down_proj.weight", &[d, f])?,
@@ -304,28 +310,9 @@ impl Transformer {
         device: Device,
         kind: Kind,
     ) -> Result<Self, WeightsError> {
-        let (v, d) = (config.vocab_size, config.hidden_size);
-        let embed_tokens = ckpt.load("model.embed_tokens.weight", &[v, d], kind, device)?;
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| Layer::load(ckpt, &config, i, kind, device))
-            .collect::<Result<Vec<_>, _>>()?;
-        let norm = ckpt.load("model.norm.weight", &[d], kind, device)?;
-        let lm_head = if config.tie_word_embeddings {
-            None
-        } else {
-            Some(ckpt.load("lm_head.weight", &[v, d], kind, device)?)
-        };
-        let inv_freq = inv_freq(&config, device);
-        let model = Transformer {
-            config,
-            device,
-            kind,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            inv_freq,
-        };
+        let model = Self::from_source(config, device, kind, &mut |name, shape| {
+            ckpt.load(name, shape, kind, device)
+        })?;
         let known: std::collections::BTreeSet<String> = model
             .named_parameters()
             .into_iter()
@@ -344,6 +331,56 @@ impl Transformer {
             });
         }
         Ok(model)
+    }
+
+    /// Builds the model from `source(name, shape)`, which gives each tensor on `device`
+    /// in `kind`.
+    pub fn from_source(
+        config: TransformerConfig,
+        device: Device,
+        kind: Kind,
+        source: &mut TensorSource<'_>,
+    ) -> Result<Self, WeightsError> {
+        let (v, d) = (config.vocab_size, config.hidden_size);
+        let embed_tokens = source("model.embed_tokens.weight", &[v, d])?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| Layer::load(source, &config, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = source("model.norm.weight", &[d])?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(source("lm_head.weight", &[v, d])?)
+        };
+        let inv_freq = inv_freq(&config, device);
+        Ok(Transformer {
+            config,
+            device,
+            kind,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        })
+    }
+
+    /// A model with random weights of `config`'s shape (normal, std 0.02; norms 1): for
+    /// benchmarks, where only the shape matters.
+    pub fn random(config: TransformerConfig, device: Device, kind: Kind, seed: u64) -> Self {
+        tch::manual_seed(seed as i64);
+        let result = Self::from_source(config, device, kind, &mut |name, shape| {
+            let t = if name.ends_with("norm.weight") {
+                Tensor::ones(shape, (kind, device))
+            } else {
+                Tensor::randn(shape, (kind, device)) * 0.02
+            };
+            Ok(t)
+        });
+        match result {
+            Ok(model) => model,
+            Err(_) => unreachable!("the random source never fails"),
+        }
     }
 
     /// The device the weights are on.

@@ -1,0 +1,269 @@
+//! Update throughput on random weights of a real model's shape: tokens/s and model
+//! FLOPs utilization (MFU). `tapline-trainer bench-update` runs it; `cargo xtask
+//! gpu-check` runs it on CUDA with a Qwen model of 0.5–2B parameters.
+//!
+//! Model FLOPs per trained token follow PaLM (appendix B): `6·N + 12·L·H·Q·T`, with `N`
+//! the parameters outside the embedding lookup (the LM head counts), `L` layers, `H`
+//! heads, `Q` head width and `T` the sequence length. The update really does a little
+//! more (the head runs twice, see `nn::train`), which MFU does not credit.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::{Device, Kind};
+
+use super::config::{Arch, TransformerConfig};
+use super::model::Transformer;
+use super::train::{self, TrainOptions};
+use crate::merge::{CallSpan, Sequence};
+use crate::pipeline::{MicroBatch, MiniBatch, TrainSequence};
+use crate::schedule::Normalizer;
+
+/// Named model shapes.
+pub const PRESETS: &[&str] = &[
+    "tiny",
+    "smollm2-135m",
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+    "qwen2.5-1.5b",
+    "qwen3-1.7b",
+];
+
+/// The configuration of a preset (the real models' `config.json` values).
+pub fn preset(name: &str) -> Option<TransformerConfig> {
+    #[allow(clippy::type_complexity)]
+    let (arch, v, d, f, l, h, kv, hd, theta, tie): (
+        Arch,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f64,
+        bool,
+    ) = match name {
+        "tiny" => (Arch::Qwen3, 1024, 128, 256, 2, 4, 2, 32, 1e6, true),
+        "smollm2-135m" => (Arch::Llama, 49152, 576, 1536, 30, 9, 3, 64, 1e5, true),
+        "qwen2.5-0.5b" => (Arch::Qwen2, 151936, 896, 4864, 24, 14, 2, 64, 1e6, true),
+        "qwen3-0.6b" => (Arch::Qwen3, 151936, 1024, 3072, 28, 16, 8, 128, 1e6, true),
+        "qwen2.5-1.5b" => (Arch::Qwen2, 151936, 1536, 8960, 28, 12, 2, 128, 1e6, true),
+        "qwen3-1.7b" => (Arch::Qwen3, 151936, 2048, 6144, 28, 16, 8, 128, 1e6, true),
+        _ => return None,
+    };
+    Some(TransformerConfig {
+        arch,
+        vocab_size: v,
+        hidden_size: d,
+        intermediate_size: f,
+        num_hidden_layers: l,
+        num_attention_heads: h,
+        num_key_value_heads: kv,
+        head_dim: hd,
+        rms_norm_eps: 1e-6,
+        rope_theta: theta,
+        rope_llama3: None,
+        tie_word_embeddings: tie,
+        qkv_bias: arch == Arch::Qwen2,
+        o_bias: false,
+        qk_norm: arch == Arch::Qwen3,
+        max_position_embeddings: 32768,
+        dtype: None,
+    })
+}
+
+/// Peak dense bf16 FLOP/s of known GPUs, by a substring of their name.
+pub fn peak_flops(device_name: &str) -> Option<f64> {
+    let table: &[(&str, f64)] = &[
+        ("H200", 989e12),
+        ("H100", 989e12),
+        ("H800", 989e12),
+        ("GH200", 989e12),
+        ("B200", 2250e12),
+        ("A100", 312e12),
+        ("A800", 312e12),
+        ("L40S", 362e12),
+        ("L40", 181e12),
+        ("L4", 121e12),
+        ("A10G", 70e12),
+        ("A10", 125e12),
+        ("4090", 165e12),
+    ];
+    table
+        .iter()
+        .find(|(k, _)| device_name.contains(k))
+        .map(|(_, v)| *v)
+}
+
+/// Model FLOPs to train one token of a `seq_len` sequence.
+pub fn flops_per_token(c: &TransformerConfig, seq_len: i64) -> f64 {
+    // The embedding lookup costs nothing; the LM head is a matmul (with the embedding's
+    // weights when tied, which `parameters` then counts once).
+    let lookup = if c.tie_word_embeddings {
+        0
+    } else {
+        c.vocab_size * c.hidden_size
+    };
+    let n = (c.parameters() - lookup) as f64;
+    let attention = 12.0
+        * c.num_hidden_layers as f64
+        * c.num_attention_heads as f64
+        * c.head_dim as f64
+        * seq_len as f64;
+    6.0 * n + attention
+}
+
+/// What the benchmark measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    /// Preset.
+    pub preset: String,
+    /// Parameters.
+    pub parameters: i64,
+    /// Device name.
+    pub device: String,
+    /// dtype.
+    pub dtype: String,
+    /// Tokens per optimizer step.
+    pub tokens_per_step: u64,
+    /// Seconds of each measured step.
+    pub step_seconds: Vec<f64>,
+    /// Median tokens/s over the measured steps.
+    pub tokens_per_second: f64,
+    /// Model FLOPs per token.
+    pub flops_per_token: f64,
+    /// Achieved model FLOP/s.
+    pub model_flops: f64,
+    /// `model_flops / peak`, when the peak is known.
+    pub mfu: Option<f64>,
+    /// Peak resident memory of the process.
+    pub peak_rss_bytes: u64,
+}
+
+/// Random sequences of `seq_len` tokens with loss on their second half.
+pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) -> MiniBatch {
+    let mut x = seed | 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let total_loss = (sequences * (seq_len - seq_len / 2)) as f64;
+    let seqs = (0..sequences)
+        .map(|i| {
+            let ids: Vec<u32> = (0..seq_len)
+                .map(|_| (next() % vocab as u64) as u32)
+                .collect();
+            let mask: Vec<u8> = (0..seq_len).map(|t| u8::from(t >= seq_len / 2)).collect();
+            let a = if i % 2 == 0 { 1.0 } else { -1.0 };
+            TrainSequence {
+                episode_id: format!("bench-{i}"),
+                task_id: "bench".into(),
+                group_id: String::new(),
+                reward: a,
+                advantages: mask.iter().map(|m| f64::from(*m) * a).collect(),
+                weights: mask.iter().map(|m| f64::from(*m) / total_loss).collect(),
+                sequence: Sequence {
+                    token_ids: ids,
+                    logprobs: vec![None; seq_len],
+                    loss_mask: mask,
+                    spans: vec![CallSpan {
+                        span_id: format!("bench-{i}"),
+                        call_index: 0,
+                        start: seq_len / 2,
+                        end: seq_len,
+                        policy_version: String::new(),
+                    }],
+                },
+            }
+        })
+        .collect::<Vec<_>>();
+    MiniBatch {
+        micro_batches: seqs
+            .chunks(1)
+            .map(|c| MicroBatch {
+                sequences: c.to_vec(),
+            })
+            .collect(),
+        normalizer: Normalizer {
+            loss_tokens: total_loss as u64,
+            sequences: sequences as u64,
+            episodes: sequences as u64,
+            constant: 1.0,
+        },
+    }
+}
+
+/// Runs `warmup + steps` optimizer steps of `sequences × seq_len` tokens each
+/// (one sequence per micro-batch).
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    preset_name: &str,
+    device: Device,
+    kind: Kind,
+    sequences: usize,
+    seq_len: usize,
+    warmup: usize,
+    steps: usize,
+    options: &TrainOptions,
+    peak: Option<f64>,
+    mut on_step: impl FnMut(usize, f64),
+) -> Result<BenchResult, String> {
+    let config = preset(preset_name).ok_or_else(|| {
+        format!(
+            "unknown preset {preset_name:?} (known: {})",
+            PRESETS.join(", ")
+        )
+    })?;
+    let parameters = config.parameters();
+    let fpt = flops_per_token(&config, seq_len as i64);
+    let mut model = Transformer::random(config, device, kind, options.seed);
+    let batch = synthetic_batch(
+        model.config.vocab_size,
+        sequences,
+        seq_len,
+        options.seed + 1,
+    );
+    let mut times = Vec::new();
+    for i in 0..warmup + steps {
+        let started = Instant::now();
+        train::train(
+            &mut model,
+            std::slice::from_ref(&batch),
+            options,
+            i as u64,
+            |_| {},
+        )
+        .map_err(|e| e.to_string())?;
+        if let Device::Cuda(_) = device {
+            tch::Cuda::synchronize(0);
+        }
+        let secs = started.elapsed().as_secs_f64();
+        on_step(i, secs);
+        if i >= warmup {
+            times.push(secs);
+        }
+    }
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let tokens = (sequences * seq_len) as u64;
+    let tps = tokens as f64 / median;
+    let device_name = super::manifest::device_name(device);
+    let peak = peak.or_else(|| peak_flops(&device_name).filter(|_| device.is_cuda()));
+    Ok(BenchResult {
+        preset: preset_name.into(),
+        parameters,
+        device: device_name,
+        dtype: format!("{kind:?}"),
+        tokens_per_step: tokens,
+        step_seconds: times,
+        tokens_per_second: tps,
+        flops_per_token: fpt,
+        model_flops: tps * fpt,
+        mfu: peak.map(|p| tps * fpt / p),
+        peak_rss_bytes: super::manifest::peak_rss_bytes(),
+    })
+}
