@@ -15,6 +15,12 @@ ephemeral port in a background thread. It answers:
 When the request carries `tools`, the answer calls the first two of them (one tool call
 per tool) with the fixed arguments in `TOOL_ARGUMENTS`.
 
+A test can script the chat completions answers instead (`script_chat(message, ...)`): each
+request to `/v1/chat/completions` then answers with the next scripted assistant message,
+as a `chat.completion` document or, with `"stream": true`, as chunks (role, content, each
+tool call whole, finish_reason, usage when asked, `[DONE]`); once the script is used up,
+requests get a 500. `reset()` ends the script.
+
 Streams are sent with `Transfer-Encoding: chunked`, one event per HTTP chunk (one event is
 deliberately split across two chunks), flushed after each chunk, so they really stream.
 
@@ -262,6 +268,15 @@ class _Handler(BaseHTTPRequestHandler):
     # OpenAI chat completions ------------------------------------------------------------
 
     def _chat(self, body: dict) -> None:
+        with self.server.lock:
+            script = self.server.chat_script
+            scripted = script.pop(0) if script else None
+        if script is not None:
+            if scripted is None:
+                self._send_json(500, {"error": {"message": "chat script used up", "type": "server_error"}})
+            else:
+                self._scripted_chat(body, scripted)
+            return
         model = body.get("model", "")
         tools = _tool_names(body)
         finish_reason = "tool_calls" if tools else "stop"
@@ -338,6 +353,32 @@ class _Handler(BaseHTTPRequestHandler):
         events.append(b"data: [DONE]\n\n")
         sent = self._start_stream()
         self._send_events(sent, events, model)
+
+    def _scripted_chat(self, body: dict, scripted: dict) -> None:
+        model = body.get("model", "")
+        message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None, "annotations": [], **scripted}
+        finish_reason = "tool_calls" if message.get("tool_calls") else "stop"
+        base = {"id": CHAT_ID, "created": CREATED, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+            self._send_json(200, {**base, "object": "chat.completion", "choices": [choice], "usage": OPENAI_USAGE})
+            return
+
+        def chunk(delta: dict | None, finish: str | None = None, **extra: Any) -> bytes:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            obj = {**base, "object": "chat.completion.chunk", "choices": choices, **extra}
+            return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+        events = [chunk({"role": "assistant", "content": ""})]
+        if message.get("content"):
+            events.append(chunk({"content": message["content"]}))
+        for i, call in enumerate(message.get("tool_calls") or []):
+            events.append(chunk({"tool_calls": [{"index": i, **call}]}))
+        events.append(chunk({}, finish_reason))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(chunk(None, usage=OPENAI_USAGE))
+        events.append(b"data: [DONE]\n\n")
+        self._send_events(self._start_stream(), events, model)
 
     # Anthropic messages ---------------------------------------------------------------
 
@@ -460,6 +501,8 @@ class _Server(ThreadingHTTPServer):
         self.responses: list[SentResponse] = []
         self.gate = threading.Event()
         self.gate_timed_out = False
+        # Scripted chat completions answers (assistant messages), None when not scripted.
+        self.chat_script: list[dict] | None = None
 
 
 @dataclass
@@ -511,13 +554,22 @@ class FakeUpstream:
             return list(self._server.responses)
 
     def reset(self) -> None:
-        """Forgets recorded traffic and closes the gate."""
+        """Forgets recorded traffic, ends any chat script and closes the gate."""
         assert self._server is not None
         with self._server.lock:
             self._server.requests.clear()
             self._server.responses.clear()
+            self._server.chat_script = None
         self._server.gate.clear()
         self._server.gate_timed_out = False
+
+    def script_chat(self, *messages: dict) -> None:
+        """Answers the next chat completions requests with these assistant messages, in
+        order (e.g. `{"content": "hi"}` or `{"tool_calls": [{"id": ..., "type": "function",
+        "function": {"name": ..., "arguments": "{...}"}}]}`); then 500s until `reset()`."""
+        assert self._server is not None
+        with self._server.lock:
+            self._server.chat_script = [dict(m) for m in messages]
 
     def wait_responses_finished(self, timeout: float = 10.0) -> list[SentResponse]:
         """Waits until every response was written to its end (or its peer went away);
