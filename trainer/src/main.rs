@@ -44,6 +44,9 @@ enum Command {
     Score(ScoreArgs),
     /// Update throughput (tokens/s, MFU) on random weights of a real model's shape.
     BenchUpdate(BenchArgs),
+    /// Line chart PNG from JSON on stdin: `{"panels": [{"title", "x_label",
+    /// "series": [{"name", "points": [[x, y], ...]}]}]}`.
+    Plot(PlotArgs),
     /// One chat request on stdin → `{"ids": [...]}`, the prompt ids `prepare` would use.
     Tokenize(TokenizeArgs),
 }
@@ -188,6 +191,16 @@ struct BenchArgs {
 }
 
 #[derive(Args)]
+struct PlotArgs {
+    /// The PNG to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Title of the chart.
+    #[arg(long, default_value = "")]
+    title: String,
+}
+
+#[derive(Args)]
 struct TokenizeArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -215,6 +228,7 @@ fn main() -> anyhow::Result<()> {
         Command::Train(args) => train(args),
         Command::Score(args) => score(&args),
         Command::BenchUpdate(args) => bench_update(&args),
+        Command::Plot(args) => plot(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
     }
 }
@@ -599,4 +613,54 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
     );
     println!("{}", serde_json::to_string(&result)?);
     Ok(())
+}
+
+fn plot(args: &PlotArgs) -> anyhow::Result<()> {
+    use tapline_trainer::chart::{Panel, Series};
+    let mut input = String::new();
+    std::io::stdin()
+        .read_to_string(&mut input)
+        .context("read the chart from stdin")?;
+    let body: Value = serde_json::from_str(&input).context("stdin is not JSON")?;
+    let text = |v: &Value, key: &str| v.get(key).and_then(Value::as_str).unwrap_or("").to_owned();
+    let panels = body
+        .get("panels")
+        .and_then(Value::as_array)
+        .context("stdin has no \"panels\" array")?
+        .iter()
+        .map(|p| Panel {
+            title: text(p, "title"),
+            x_label: text(p, "x_label"),
+            series: p
+                .get("series")
+                .and_then(Value::as_array)
+                .map(|series| {
+                    series
+                        .iter()
+                        .map(|s| Series {
+                            name: text(s, "name"),
+                            points: s
+                                .get("points")
+                                .and_then(Value::as_array)
+                                .map(|pts| {
+                                    pts.iter()
+                                        .filter_map(|xy| {
+                                            let x = xy.get(0)?.as_f64()?;
+                                            let y = xy
+                                                .get(1)
+                                                .and_then(Value::as_f64)
+                                                .unwrap_or(f64::NAN);
+                                            Some((x, y))
+                                        })
+                                        .collect()
+                                })
+                                .unwrap_or_default(),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+        .collect::<Vec<_>>();
+    tapline_trainer::chart::write_png(&args.out, &args.title, &panels)
+        .with_context(|| format!("write {}", args.out.display()))
 }
