@@ -285,3 +285,25 @@ pub fn ensure_smollm2(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
     std::fs::remove_dir_all(&work)?;
     Ok(target)
 }
+
+/// Installs the tapline Python SDK from `sdk/python` into the venv (the harnesses and the
+/// Python tests import it).
+pub fn install_sdk(root: &Path, python: &Path) -> anyhow::Result<()> {
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--force-reinstall",
+        ])
+        .arg(root.join("sdk/python"))
+        .status()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !status.success() {
+        bail!("installing the tapline Python SDK into the test environment exited with {status}");
+    }
+    Ok(())
+}

