@@ -437,13 +437,15 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let mut done = 0;
     let result = nn::train::train(
         &mut model,
         &loaded.prepared.mini_batches,
         options,
         first_step,
         |m| {
-            bar.suspend(|| println!("{}", m.line(steps)));
+            done += 1;
+            bar.suspend(|| println!("{}", m.line(done, steps)));
             bar.inc(1);
         },
     )?;

@@ -148,8 +148,8 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
     };
     let (ok, stdout, stderr) = run(&mut train(&model, &out));
     assert!(ok, "train failed: {stderr}\n{stdout}");
-    assert!(stdout.contains("step   1/2 loss"), "{stdout}");
-    assert!(stdout.contains("step   2/2 loss"), "{stdout}");
+    assert!(stdout.contains("step 1/2 (global 1) loss"), "{stdout}");
+    assert!(stdout.contains("step 2/2 (global 2) loss"), "{stdout}");
 
     // The manifest: provenance, report, steps, compute, checkpoint.
     let m = read_json(&out.join("manifest.json"));

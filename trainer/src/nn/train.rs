@@ -234,10 +234,10 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    /// One readable line.
-    pub fn line(&self, total: usize) -> String {
+    /// One readable line: `index` of `total` steps in this run.
+    pub fn line(&self, index: usize, total: usize) -> String {
         format!(
-            "step {:>3}/{total} loss {:+.4} grad_norm {:.3}{} clip {:.3} ratio {:.3} [{:.3}, {:.3}] kl {:.2e} entropy {:.3} reward {:.3} lr {:.2e} tokens {} ({:.0} tok/s)",
+            "step {index}/{total} (global {}) loss {:+.4} grad_norm {:.3}{} clip {:.3} ratio {:.3} [{:.3}, {:.3}] kl {:.2e} entropy {:.3} reward {:.3} lr {:.2e} tokens {} ({:.0} tok/s)",
             self.step,
             self.loss,
             self.grad_norm,
