@@ -437,6 +437,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    let gpu_memory = nn::manifest::GpuMemorySampler::start(device);
     let mut done = 0;
     let result = nn::train::train(
         &mut model,
@@ -450,6 +451,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         },
     )?;
     bar.finish_and_clear();
+    let gpu_peak_memory_bytes_sampled = gpu_memory.finish();
 
     let ckpt_started = Instant::now();
     let global_step = first_step + result.steps.len() as u64;
@@ -500,6 +502,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
             gpu_seconds: if device.is_cuda() { wall } else { 0.0 },
             cpu_seconds: nn::manifest::cpu_seconds(),
             peak_rss_bytes: nn::manifest::peak_rss_bytes(),
+            gpu_peak_memory_bytes_sampled,
             phases: nn::manifest::Phases {
                 ingest: loaded.ingest_seconds,
                 prepare: loaded.prepare_seconds,

@@ -60,6 +60,10 @@ pub struct Compute {
     pub cpu_seconds: f64,
     /// Peak resident memory of the process, bytes.
     pub peak_rss_bytes: u64,
+    /// Peak GPU memory in use on the device, sampled every second with `nvidia-smi`
+    /// (libtorch's allocator statistics are not exposed by tch); `null` on CPU or when
+    /// `nvidia-smi` is not available.
+    pub gpu_peak_memory_bytes_sampled: Option<u64>,
     /// Per phase.
     pub phases: Phases,
 }
@@ -193,5 +197,57 @@ pub fn device_name(device: tch::Device) -> String {
             })
             .map(|m| format!("{m} ({} threads)", tch::get_num_threads()))
             .unwrap_or_else(|| "cpu".into()),
+    }
+}
+
+/// Samples the memory in use on a GPU every second with `nvidia-smi`, in a thread, and
+/// keeps the maximum.
+#[derive(Debug)]
+pub struct GpuMemorySampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Option<u64>>>,
+}
+
+fn gpu_memory_used(index: usize) -> Option<u64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=memory.used",
+            "--format=csv,noheader,nounits",
+            "-i",
+            &index.to_string(),
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let mib: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+    Some(mib << 20)
+}
+
+impl GpuMemorySampler {
+    /// Starts sampling when `device` is a GPU.
+    pub fn start(device: tch::Device) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = match device {
+            tch::Device::Cuda(index) => {
+                let stop = stop.clone();
+                Some(std::thread::spawn(move || {
+                    let mut peak = gpu_memory_used(index);
+                    peak?;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                        peak = peak.max(gpu_memory_used(index));
+                    }
+                    peak
+                }))
+            }
+            _ => None,
+        };
+        GpuMemorySampler { stop, thread }
+    }
+
+    /// Stops sampling; the peak seen, if any.
+    pub fn finish(mut self) -> Option<u64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().and_then(|t| t.join().ok().flatten())
     }
 }
