@@ -18,8 +18,10 @@
 //! checks that records reached the store, the trainer made batches and a checkpoint that
 //! differs from the start, and the policy server serves the new weights.
 //!
-//! Ctrl-C reaches every child (same process group); the sidecar flushes its spool and
-//! the servers stop. Children are also stopped (SIGTERM) when the demo fails.
+//! Ctrl-C reaches every child (same process group): the sidecar flushes its spool, the
+//! servers stop, a running trainer stops before writing its manifest (so its cursor does
+//! not move). The demo notices, says so and exits with status 130. Children are also
+//! stopped (SIGTERM) when the demo fails.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -244,8 +246,28 @@ fn fingerprint(policy: &str) -> anyhow::Result<(String, Vec<f64>)> {
     Ok((version, lps))
 }
 
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn interrupted() -> bool {
+    INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+}
+
 pub fn demo(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let o = Options::parse(args)?;
+    // The terminal sends SIGINT to every process of the group; the children stop on
+    // their own, this process only has to notice instead of dying mid-sentence.
+    let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst));
+    let result = run_demo(root, &o);
+    if interrupted() {
+        eprintln!(
+            "demo: interrupted (Ctrl-C); the policy server, the sidecar and the trainer stopped"
+        );
+        std::process::exit(130);
+    }
+    result
+}
+
+fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     let started = Instant::now();
     let python = ensure_venv(root)?;
     let model = ensure_smollm2(root, &python)?;
@@ -345,6 +367,7 @@ pub fn demo(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let mut current = model.clone();
     let mut rewards: Vec<f64> = Vec::new();
     for k in 0..o.iterations {
+        ensure!(!interrupted(), "interrupted");
         let iteration_started = Instant::now();
         let out = Command::new(&python)
             .arg(root.join("examples/loop_harness.py"))
