@@ -24,3 +24,4 @@ pub mod server;
 pub mod sink;
 pub mod spool;
 pub mod sse;
+pub mod upstream;

@@ -104,9 +104,22 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let drain = secs("drain-secs", args.drain_secs)?;
     let flush = secs("flush-secs", args.flush_secs)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let runtime = match args.worker_threads {
+        Some(0) => anyhow::bail!(
+            "invalid setting `worker-threads`: 0; give 1 or more threads (1 runs one event loop)"
+        ),
+        // One event loop: no hand-offs between threads on the request path.
+        Some(1) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+        Some(n) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build()?,
+        None => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?,
+    };
     runtime.block_on(async move {
         let sidecar = Sidecar::start(config)
             .await

@@ -35,6 +35,7 @@ use crate::episodes::{Hints, valid_episode_id};
 use crate::rebuild;
 use crate::server::AppState;
 use crate::sink::{Dropped, now_nanos};
+use crate::upstream::{SendError, UpstreamBody};
 
 /// Error type of response bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -450,7 +451,7 @@ struct Held {
 
 /// The response body handed to the client: the upstream body, teed into the capture.
 struct CaptureBody {
-    inner: Incoming,
+    inner: UpstreamBody,
     capture: Option<Capture>,
     rewrite: Rewrite,
     idle_timeout: Duration,
@@ -935,7 +936,14 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         request_size,
     }));
 
-    let uri = match format!("{}{}", state.upstream_base, path_and_query).parse::<http::Uri>() {
+    // The request goes out in origin form (path and query); the pool adds `Host`.
+    let uri = match format!("{}{}", state.upstream_base, path_and_query)
+        .parse::<http::Uri>()
+        .map_err(|e| e.to_string())
+        .and_then(|full| {
+            let origin = full.path_and_query().map_or("/", |p| p.as_str());
+            origin.parse::<http::Uri>().map_err(|e| e.to_string())
+        }) {
         Ok(uri) => uri,
         Err(e) => {
             let message = format!("tapline: request path cannot be forwarded: {e}");
@@ -957,12 +965,12 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
 
     let sent_at = Instant::now();
     let response =
-        tokio::time::timeout(state.config.response_timeout, state.client.request(up_req)).await;
+        tokio::time::timeout(state.config.response_timeout, state.upstream.send(up_req)).await;
     let head_at = Instant::now();
     let response = match response {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
-            let (outcome, code) = if error.is_connect() {
+            let (outcome, code) = if matches!(error, SendError::Connect(_)) {
                 (Outcome::UpstreamUnreachable, "upstream_unreachable")
             } else {
                 (Outcome::UpstreamError, "upstream_error")

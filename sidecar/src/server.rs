@@ -10,9 +10,7 @@ use http::{Request, Response, header};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -21,11 +19,9 @@ use tokio::task::JoinHandle;
 use crate::config::Config;
 use crate::episodes::Episodes;
 use crate::metrics::Metrics;
-use crate::proxy::{RespBody, UpBody, full_body};
+use crate::proxy::{RespBody, full_body};
 use crate::sink::{FullPolicy, RecordSink, Recorder, RecorderOptions};
-
-/// The upstream HTTP client (HTTP/1.1, pooled keep-alive connections, http and https).
-pub type UpstreamClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, UpBody>;
+use crate::upstream::Upstream;
 
 /// Everything a request handler needs.
 #[derive(Debug)]
@@ -36,8 +32,8 @@ pub struct AppState {
     pub upstream_base: String,
     /// Store URL, safe to log.
     pub store_display: String,
-    /// Client for the upstream.
-    pub client: UpstreamClient,
+    /// Connections to the upstream.
+    pub upstream: Arc<Upstream>,
     /// Where records go.
     pub sink: Arc<dyn RecordSink>,
     /// The recorder behind `sink` (store health).
@@ -51,22 +47,14 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
 }
 
-/// Builds the upstream client from the settings.
-pub fn upstream_client(config: &Config) -> anyhow::Result<UpstreamClient> {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(config.connect_timeout));
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_webpki_roots()
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .timer(TokioTimer::new())
-        .build(https))
+/// The upstream connection pool for the settings (HTTP/1.1 keep-alive, http and https).
+pub fn upstream(config: &Config) -> anyhow::Result<Arc<Upstream>> {
+    Ok(Arc::new(Upstream::new(
+        &config.upstream,
+        config.connect_timeout,
+        1024,
+        Duration::from_secs(90),
+    )?))
 }
 
 /// Routes one request: `/metrics`, the control API, or the proxy.
@@ -131,7 +119,7 @@ impl Sidecar {
         };
         let upstream_base = config.upstream.to_string().trim_end_matches('/').to_owned();
         let state = Arc::new(AppState {
-            client: upstream_client(&config)?,
+            upstream: upstream(&config)?,
             upstream_base,
             store_display: store.display.clone(),
             sink: recorder.clone(),

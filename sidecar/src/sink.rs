@@ -21,7 +21,7 @@
 //!   uploads free space, which holds back responses: backpressure.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -120,7 +120,8 @@ pub struct RecorderOptions {
     pub fsync_interval: Duration,
     /// zstd level of segments.
     pub zstd_level: i32,
-    /// Records that may wait in memory for the spool writer.
+    /// Records that may wait in memory for the spool writer (policy `block`). The queue
+    /// grows to this on demand; nothing is allocated up front.
     pub queue_capacity: usize,
 }
 
@@ -168,7 +169,9 @@ impl Shared {
 /// The sidecar's [`RecordSink`]: spool writer thread + uploader task.
 #[derive(Debug)]
 pub struct Recorder {
-    tx: SyncSender<Msg>,
+    /// Unbounded channel whose length `queued` caps at `options.queue_capacity`
+    /// (a bounded `sync_channel` would allocate every slot at start: 40 MB for 65,536).
+    tx: Sender<Msg>,
     shared: Arc<Shared>,
     options: RecorderOptions,
     /// Records waiting in the queue for the writer thread (policy `block` only).
@@ -219,7 +222,7 @@ impl Recorder {
             metrics,
         });
         shared.publish_gauges(&shared.spool());
-        let (tx, rx) = std::sync::mpsc::sync_channel(options.queue_capacity);
+        let (tx, rx) = std::sync::mpsc::channel();
         let queued = Arc::new(AtomicU64::new(0));
         let writer = {
             let shared = shared.clone();
@@ -331,13 +334,24 @@ impl RecordSink for Recorder {
             return Ack::ready(Err(Dropped));
         };
         let (ack_tx, ack_rx) = oneshot::channel();
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        match self.tx.try_send(Msg::Record(kind, ack_tx)) {
+        let capacity = self.options.queue_capacity as u64;
+        let admitted = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < capacity).then_some(n + 1)
+            })
+            .is_ok();
+        if !admitted {
+            metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(capacity, "record queue full; record dropped");
+            return Ack::ready(Err(Dropped));
+        }
+        match self.tx.send(Msg::Record(kind, ack_tx)) {
             Ok(()) => Ack(AckInner::Waiting(ack_rx)),
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+            Err(_) => {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
                 metrics.records_dropped.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("record queue full; record dropped");
+                tracing::warn!("spool writer stopped; record dropped");
                 Ack::ready(Err(Dropped))
             }
         }

@@ -1,0 +1,422 @@
+//! The upstream side of the proxy: a pool of HTTP/1.1 keep-alive connections, each one
+//! driven by the task that uses it.
+//!
+//! hyper's pooled client runs every connection as a task of its own and passes each body
+//! chunk to the task that answers the client through a one-slot channel: a task wake-up
+//! (often a thread wake-up) per chunk, and one write to the client per chunk. Here the
+//! response body polls its connection itself, so the chunks already in the socket buffer
+//! are decoded in one go and leave towards the client as one frame (one write). Nothing
+//! waits for more data to coalesce: a frame carries what had arrived when it was polled.
+//!
+//! Invariants:
+//! - A connection is in the pool only while idle: its response ended and its sender is
+//!   ready for the next request. It is checked for a hang-up before it is reused.
+//! - A request is sent again (on a fresh connection) only when hyper hands it back unsent,
+//!   which happens when a pooled connection was closed by the upstream; a request that may
+//!   have reached the upstream is never sent twice.
+//! - Dropping a response body before its end closes the connection, which cancels the
+//!   upstream request.
+
+use std::collections::VecDeque;
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tower_service::Service;
+
+use crate::proxy::{BoxError, UpBody};
+
+type Io = MaybeHttpsStream<TokioIo<TcpStream>>;
+type Conn = http1::Connection<Io, UpBody>;
+
+/// The most bytes one coalesced frame carries.
+const COALESCE_MAX: usize = 64 << 10;
+
+/// How long a connection whose response ended may take to become ready for the next
+/// request before it is closed instead of pooled.
+const READY_WAIT: Duration = Duration::from_secs(1);
+
+/// Why a request got no response head.
+#[derive(Debug)]
+pub enum SendError {
+    /// No connection could be made (refused, DNS, TLS, connect timeout).
+    Connect(BoxError),
+    /// The connection failed while sending the request or reading the response head.
+    Request(hyper::Error),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::Connect(e) => write!(f, "cannot connect: {e}"),
+            SendError::Request(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for SendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SendError::Connect(e) => e.source(),
+            SendError::Request(e) => std::error::Error::source(e),
+        }
+    }
+}
+
+/// One connection: the sender half and the connection future that does its IO.
+struct Lease {
+    sender: http1::SendRequest<UpBody>,
+    /// `None` once the connection future finished (the connection is closed).
+    conn: Option<Pin<Box<Conn>>>,
+}
+
+impl Lease {
+    /// Lets the connection do what it can (write, read, notice a hang-up). Returns whether
+    /// the connection is closed.
+    fn drive(&mut self, cx: &mut Context<'_>) -> bool {
+        if let Some(conn) = &mut self.conn
+            && let Poll::Ready(result) = conn.as_mut().poll(cx)
+        {
+            if let Err(error) = result {
+                tracing::debug!(%error, "upstream connection ended with an error");
+            }
+            self.conn = None;
+        }
+        self.conn.is_none()
+    }
+}
+
+struct Idle {
+    lease: Lease,
+    since: Instant,
+}
+
+/// The upstream: where requests go and the idle connections to it.
+pub struct Upstream {
+    connector: HttpsConnector<HttpConnector>,
+    /// Scheme and authority, for connecting.
+    origin: Uri,
+    /// `Host` header of every request.
+    host: HeaderValue,
+    idle: Mutex<VecDeque<Idle>>,
+    max_idle: usize,
+    idle_timeout: Duration,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("origin", &self.origin)
+            .field("idle", &self.idle_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Upstream {
+    /// An upstream at `base` (its scheme and authority are used; the path is the
+    /// caller's business), keeping up to `max_idle` connections for `idle_timeout`.
+    pub fn new(
+        base: &Uri,
+        connect_timeout: Duration,
+        max_idle: usize,
+        idle_timeout: Duration,
+    ) -> anyhow::Result<Upstream> {
+        let (Some(scheme), Some(authority)) = (base.scheme(), base.authority()) else {
+            anyhow::bail!("upstream URL {base} needs a scheme and a host");
+        };
+        let default_port = match scheme.as_str() {
+            "http" => 80,
+            "https" => 443,
+            other => anyhow::bail!("upstream URL {base}: scheme {other:?} is not http or https"),
+        };
+        let host = match authority.port_u16() {
+            Some(port) if port != default_port => format!("{}:{port}", authority.host()),
+            _ => authority.host().to_owned(),
+        };
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(connect_timeout));
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        Ok(Upstream {
+            connector,
+            origin: Uri::builder()
+                .scheme(scheme.clone())
+                .authority(authority.clone())
+                .path_and_query("/")
+                .build()?,
+            host: HeaderValue::from_str(&host)?,
+            idle: Mutex::new(VecDeque::new()),
+            max_idle,
+            idle_timeout,
+        })
+    }
+
+    /// Idle connections in the pool.
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Sends `req` (its URI in origin form: path and query) and waits for the response
+    /// head. The response body keeps the connection and returns it to the pool at its end.
+    pub async fn send(
+        self: &Arc<Self>,
+        mut req: Request<UpBody>,
+    ) -> Result<Response<UpstreamBody>, SendError> {
+        req.headers_mut().insert(header::HOST, self.host.clone());
+        loop {
+            let (mut lease, reused) = match self.checkout() {
+                Some(lease) => (lease, true),
+                None => (self.connect().await?, false),
+            };
+            let mut sent = std::pin::pin!(lease.sender.try_send_request(req));
+            let result = poll_fn(|cx| {
+                lease.drive(cx);
+                sent.as_mut().poll(cx)
+            })
+            .await;
+            match result {
+                Ok(response) => {
+                    return Ok(response.map(|inner| UpstreamBody {
+                        inner,
+                        lease: Some(lease),
+                        pool: self.clone(),
+                        stashed: None,
+                        ended: false,
+                    }));
+                }
+                Err(mut error) => match error.take_message() {
+                    // A pooled connection closed before the request went out: use a new one.
+                    Some(unsent) if reused => req = unsent,
+                    _ => return Err(SendError::Request(error.into_error())),
+                },
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<Lease, SendError> {
+        let mut connector = self.connector.clone();
+        poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(SendError::Connect)?;
+        let io = connector
+            .call(self.origin.clone())
+            .await
+            .map_err(SendError::Connect)?;
+        let (sender, conn) = http1::Builder::new()
+            .handshake(io)
+            .await
+            .map_err(SendError::Request)?;
+        Ok(Lease {
+            sender,
+            conn: Some(Box::pin(conn)),
+        })
+    }
+
+    /// The most recently used idle connection that is still open, if any.
+    fn checkout(&self) -> Option<Lease> {
+        loop {
+            let Idle { mut lease, since } = self
+                .idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_back()?;
+            if since.elapsed() >= self.idle_timeout {
+                // Everything older is further down the pool: let `put` prune it.
+                return None;
+            }
+            // Notice a hang-up that arrived while the connection was idle.
+            let mut cx = Context::from_waker(Waker::noop());
+            if !lease.drive(&mut cx) && lease.sender.is_ready() {
+                return Some(lease);
+            }
+        }
+    }
+
+    fn put(&self, lease: Lease) {
+        let now = Instant::now();
+        let mut stale = Vec::new();
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            while idle
+                .front()
+                .is_some_and(|i| now.duration_since(i.since) >= self.idle_timeout)
+                || idle.len() >= self.max_idle.max(1)
+            {
+                stale.extend(idle.pop_front());
+            }
+            idle.push_back(Idle { lease, since: now });
+        }
+        drop(stale); // closes them, outside the lock
+    }
+
+    /// Pools a connection whose response ended, once it is ready for another request.
+    fn release(self: &Arc<Self>, mut lease: Lease, cx: &mut Context<'_>) {
+        if lease.drive(cx) {
+            return;
+        }
+        if lease.sender.is_ready() {
+            self.put(lease);
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let pool = self.clone();
+        runtime.spawn(async move {
+            let ready = tokio::time::timeout(
+                READY_WAIT,
+                poll_fn(|cx| {
+                    if lease.drive(cx) {
+                        return Poll::Ready(false);
+                    }
+                    lease.sender.poll_ready(cx).map(|r| r.is_ok())
+                }),
+            )
+            .await;
+            if ready == Ok(true) {
+                pool.put(lease);
+            }
+        });
+    }
+}
+
+/// A response body from the upstream. Polling it drives its connection; each frame
+/// carries every data chunk that was ready (up to 64 KiB), not one chunk at a time.
+pub struct UpstreamBody {
+    inner: Incoming,
+    lease: Option<Lease>,
+    pool: Arc<Upstream>,
+    /// What the inner body gave after data was gathered into a frame; given next.
+    stashed: Option<Option<Result<Frame<Bytes>, hyper::Error>>>,
+    ended: bool,
+}
+
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamBody")
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamBody {
+    fn release(&mut self, cx: &mut Context<'_>) {
+        if let Some(lease) = self.lease.take() {
+            self.pool.release(lease, cx);
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if let Some(stashed) = this.stashed.take() {
+            this.ended = stashed.is_none();
+            return Poll::Ready(stashed);
+        }
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let mut first: Option<Bytes> = None;
+        let mut joined: Option<BytesMut> = None;
+        loop {
+            if let Some(lease) = &mut this.lease {
+                lease.drive(cx);
+            }
+            let polled = Pin::new(&mut this.inner).poll_frame(cx);
+            let frame = match polled {
+                Poll::Pending if first.is_none() => return Poll::Pending,
+                Poll::Pending => break,
+                Poll::Ready(Some(Ok(frame))) if frame.is_data() => frame,
+                // Trailers, an error or the end: given after the data gathered so far.
+                Poll::Ready(other) => {
+                    if other.is_none() {
+                        this.release(cx);
+                    }
+                    if first.is_none() {
+                        this.ended = other.is_none();
+                        return Poll::Ready(other);
+                    }
+                    this.stashed = Some(other);
+                    break;
+                }
+            };
+            let data = frame.into_data().unwrap_or_default();
+            let gathered = match (&first, &mut joined) {
+                (None, _) => {
+                    let len = data.len();
+                    first = Some(data);
+                    len
+                }
+                (Some(head), None) => {
+                    let mut buf = BytesMut::with_capacity((head.len() + data.len()) * 2);
+                    buf.extend_from_slice(head);
+                    buf.extend_from_slice(&data);
+                    let len = buf.len();
+                    joined = Some(buf);
+                    len
+                }
+                (Some(_), Some(buf)) => {
+                    buf.extend_from_slice(&data);
+                    buf.len()
+                }
+            };
+            if gathered >= COALESCE_MAX {
+                break;
+            }
+        }
+        let data = match joined {
+            Some(buf) => buf.freeze(),
+            None => first.unwrap_or_default(),
+        };
+        Poll::Ready(Some(Ok(Frame::data(data))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.stashed {
+            Some(stashed) => stashed.is_none(),
+            None => self.ended || self.inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.stashed.is_some() || self.ended {
+            return SizeHint::with_exact(0);
+        }
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        // A body that ended (or was empty) leaves a reusable connection; one dropped
+        // midway closes it with the lease.
+        if self.lease.is_some() && (self.ended || self.inner.is_end_stream()) {
+            let mut cx = Context::from_waker(Waker::noop());
+            self.release(&mut cx);
+        }
+    }
+}
