@@ -420,3 +420,192 @@ impl Drop for UpstreamBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::proxy::full_body;
+
+    /// A raw HTTP/1.1 server: for each request head read on a connection, `answer` says
+    /// what to write (a list of writes with pauses between them) and whether to close.
+    struct Raw {
+        addr: std::net::SocketAddr,
+        connections: Arc<AtomicUsize>,
+        heads: Arc<Mutex<Vec<String>>>,
+        closed_by_client: Arc<AtomicUsize>,
+    }
+
+    type Answer = fn() -> (Vec<&'static [u8]>, bool);
+
+    async fn raw(answer: Answer) -> Raw {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let closed_by_client = Arc::new(AtomicUsize::new(0));
+        let (c, h, e) = (connections.clone(), heads.clone(), closed_by_client.clone());
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                c.fetch_add(1, Ordering::SeqCst);
+                let (h, e) = (h.clone(), e.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let mut chunk = [0u8; 4096];
+                        let n = socket.read(&mut chunk).await.unwrap_or(0);
+                        if n == 0 {
+                            e.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head: Vec<u8> = buf.drain(..end + 4).collect();
+                        h.lock()
+                            .unwrap()
+                            .push(String::from_utf8_lossy(&head).into_owned());
+                        let (writes, close) = answer();
+                        for (i, w) in writes.iter().enumerate() {
+                            if i > 0 {
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            socket.write_all(w).await.unwrap();
+                        }
+                        if close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Raw {
+            addr,
+            connections,
+            heads,
+            closed_by_client,
+        }
+    }
+
+    fn pool(addr: std::net::SocketAddr) -> Arc<Upstream> {
+        let base: Uri = format!("http://{addr}/prefix").parse().unwrap();
+        Arc::new(Upstream::new(&base, Duration::from_secs(2), 8, Duration::from_secs(90)).unwrap())
+    }
+
+    fn get(path: &str) -> Request<UpBody> {
+        let mut req = Request::new(full_body(Bytes::new()));
+        *req.uri_mut() = path.parse().unwrap();
+        req
+    }
+
+    /// Frames of a body, as they come.
+    async fn frames(mut body: UpstreamBody) -> Vec<Bytes> {
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            out.extend(frame.unwrap().into_data().ok());
+        }
+        out
+    }
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    #[tokio::test]
+    async fn a_connection_is_reused_and_requests_carry_host_and_origin_form() {
+        let server = raw(|| (vec![OK], false)).await;
+        let upstream = pool(server.addr);
+        for i in 0..3 {
+            let resp = upstream.send(get(&format!("/v1/x?i={i}"))).await.unwrap();
+            assert_eq!(frames(resp.into_body()).await.concat(), b"ok");
+        }
+        assert_eq!(server.connections.load(Ordering::SeqCst), 1);
+        assert_eq!(upstream.idle_count(), 1);
+        let heads = server.heads.lock().unwrap().clone();
+        assert!(heads[2].starts_with("GET /v1/x?i=2 HTTP/1.1\r\n"), "{}", heads[2]);
+        assert!(
+            heads[2].contains(&format!("host: {}\r\n", server.addr)),
+            "{}",
+            heads[2]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_upstream_closed_is_replaced() {
+        // The upstream closes every connection after its response, without saying so.
+        let server = raw(|| (vec![OK], true)).await;
+        let upstream = pool(server.addr);
+        for _ in 0..3 {
+            let resp = upstream.send(get("/")).await.unwrap();
+            assert_eq!(frames(resp.into_body()).await.concat(), b"ok");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(server.connections.load(Ordering::SeqCst), 3);
+        assert_eq!(server.heads.lock().unwrap().len(), 3, "each request sent once");
+    }
+
+    #[tokio::test]
+    async fn chunks_that_arrived_together_leave_as_one_frame() {
+        let server = raw(|| {
+            (
+                vec![
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n2\r\ncd\r\n2\r\nef\r\n",
+                    b"2\r\ngh\r\n0\r\n\r\n",
+                ],
+                false,
+            )
+        })
+        .await;
+        let upstream = pool(server.addr);
+        let resp = upstream.send(get("/")).await.unwrap();
+        let got = frames(resp.into_body()).await;
+        // The first write's three chunks in one frame; the later write in its own.
+        assert_eq!(got, vec![Bytes::from("abcdef"), Bytes::from("gh")]);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(upstream.idle_count(), 1, "the connection went back to the pool");
+    }
+
+    #[tokio::test]
+    async fn dropping_a_body_midway_closes_its_connection() {
+        let server = raw(|| {
+            (
+                vec![
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n",
+                    b"2\r\ncd\r\n0\r\n\r\n",
+                ],
+                false,
+            )
+        })
+        .await;
+        let upstream = pool(server.addr);
+        let resp = upstream.send(get("/")).await.unwrap();
+        let mut body = resp.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "ab");
+        drop(body);
+        for _ in 0..100 {
+            if server.closed_by_client.load(Ordering::SeqCst) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(server.closed_by_client.load(Ordering::SeqCst), 1);
+        assert_eq!(upstream.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_upstream_is_a_connect_error() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let upstream = pool(port); // the listener is gone: nothing listens there
+        let error = upstream.send(get("/")).await.unwrap_err();
+        assert!(matches!(error, SendError::Connect(_)), "{error}");
+    }
+}
