@@ -33,7 +33,7 @@ use tapline_proto::{EpisodeEventKind, RecordKind};
 use tokio::sync::{Notify, oneshot};
 
 use crate::metrics::Metrics;
-use crate::spool::{AppendError, Recovery, Spool, read_sealed};
+use crate::spool::{AppendError, Recovery, Spool, for_each_sealed};
 
 /// A record could not be accepted and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -488,26 +488,26 @@ fn seal(spool: &mut Spool, shared: &Shared) {
     }
 }
 
-/// Builds the segment of a sealed spool file. This is the sidecar's biggest burst of CPU
-/// (tens of milliseconds per 8 MiB); it yields the core every few records so that the
-/// threads serving traffic, which share the machine's few cores, are not held up for a
-/// whole scheduler time slice.
+/// Builds the segment of a sealed spool file, record by record (the file's records are
+/// never decoded all at once: memory stays at one record plus the compressor). This is
+/// the sidecar's biggest burst of CPU (tens of milliseconds per 8 MiB); it yields the
+/// core every 64 KiB so that the threads serving traffic, which share the machine's few
+/// cores, are not held up for a whole scheduler time slice.
 fn build_segment(
     path: &std::path::Path,
     level: i32,
 ) -> std::io::Result<(Vec<u8>, tapline_proto::segment::SegmentSummary)> {
-    let records = read_sealed(path)?;
-    std::thread::yield_now();
     let mut writer = SegmentWriter::new(Vec::new(), level).map_err(std::io::Error::other)?;
     let mut since_yield = 0usize;
-    for record in &records {
-        writer.append(record).map_err(std::io::Error::other)?;
-        since_yield += prost::Message::encoded_len(record);
+    for_each_sealed(path, |record| {
+        writer.append(&record).map_err(std::io::Error::other)?;
+        since_yield += prost::Message::encoded_len(&record);
         if since_yield >= 64 << 10 {
             std::thread::yield_now();
             since_yield = 0;
         }
-    }
+        Ok(())
+    })?;
     writer.finish().map_err(std::io::Error::other)
 }
 

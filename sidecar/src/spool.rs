@@ -140,6 +140,21 @@ fn parse_name(path: &Path) -> Option<(u64, &str)> {
 /// Reads the frames of a spool file. Returns the records, the offset after the last good
 /// frame, and whether anything followed it (a torn or corrupted tail).
 fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
+    let mut records = Vec::new();
+    let (good, damaged) = visit_frames(path, |record| {
+        records.push(record);
+        Ok(())
+    })?;
+    Ok((records, good, damaged))
+}
+
+/// Hands each good record of a spool file to `each`, one at a time (a whole file's
+/// records are never in memory together). Returns the offset after the last good frame
+/// and whether anything followed it (a torn or corrupted tail).
+fn visit_frames(
+    path: &Path,
+    mut each: impl FnMut(Record) -> io::Result<()>,
+) -> io::Result<(u64, bool)> {
     let mut reader = BufReader::new(File::open(path)?);
     let mut header = [0u8; 8];
     let mut got = 0;
@@ -151,9 +166,8 @@ fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
         got += n;
     }
     if got < header.len() || header[..4] != MAGIC || header[4] != VERSION {
-        return Ok((Vec::new(), 0, got > 0));
+        return Ok((0, got > 0));
     }
-    let mut records = Vec::new();
     let mut good = HEADER.len() as u64;
     let mut payload = Vec::new();
     loop {
@@ -167,41 +181,58 @@ fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
             got += n;
         }
         if got == 0 {
-            return Ok((records, good, false));
+            return Ok((good, false));
         }
         if got < head.len() {
-            return Ok((records, good, true));
+            return Ok((good, true));
         }
         let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
         let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         if len > MAX_FRAME {
-            return Ok((records, good, true));
+            return Ok((good, true));
         }
         payload.resize(len as usize, 0);
         if reader.read_exact(&mut payload).is_err() || crc32c::crc32c(&payload) != crc {
-            return Ok((records, good, true));
+            return Ok((good, true));
         }
         match Record::decode(payload.as_slice()) {
-            Ok(record) => records.push(record),
-            Err(_) => return Ok((records, good, true)),
+            Ok(record) => each(record)?,
+            Err(_) => return Ok((good, true)),
         }
         good += FRAME_OVERHEAD + u64::from(len);
     }
 }
 
-/// Reads every record of a sealed file; an error if the file fails any check.
-pub fn read_sealed(path: &Path) -> io::Result<Vec<Record>> {
-    let (records, _, damaged) = read_frames(path)?;
+/// Hands every record of a sealed file to `each`, in order; an error if the file fails
+/// any check (after the records before the damage were handed over).
+pub fn for_each_sealed(
+    path: &Path,
+    mut each: impl FnMut(Record) -> io::Result<()>,
+) -> io::Result<()> {
+    let mut records = 0u64;
+    let (_, damaged) = visit_frames(path, |record| {
+        records += 1;
+        each(record)
+    })?;
     if damaged {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!(
-                "spool file {} is damaged after {} good records",
+                "spool file {} is damaged after {records} good records",
                 path.display(),
-                records.len()
             ),
         ));
     }
+    Ok(())
+}
+
+/// Reads every record of a sealed file; an error if the file fails any check.
+pub fn read_sealed(path: &Path) -> io::Result<Vec<Record>> {
+    let mut records = Vec::new();
+    for_each_sealed(path, |record| {
+        records.push(record);
+        Ok(())
+    })?;
     Ok(records)
 }
 

@@ -527,7 +527,11 @@ mod tests {
         assert_eq!(server.connections.load(Ordering::SeqCst), 1);
         assert_eq!(upstream.idle_count(), 1);
         let heads = server.heads.lock().unwrap().clone();
-        assert!(heads[2].starts_with("GET /v1/x?i=2 HTTP/1.1\r\n"), "{}", heads[2]);
+        assert!(
+            heads[2].starts_with("GET /v1/x?i=2 HTTP/1.1\r\n"),
+            "{}",
+            heads[2]
+        );
         assert!(
             heads[2].contains(&format!("host: {}\r\n", server.addr)),
             "{}",
@@ -546,7 +550,11 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(server.connections.load(Ordering::SeqCst), 3);
-        assert_eq!(server.heads.lock().unwrap().len(), 3, "each request sent once");
+        assert_eq!(
+            server.heads.lock().unwrap().len(),
+            3,
+            "each request sent once"
+        );
     }
 
     #[tokio::test]
@@ -567,7 +575,11 @@ mod tests {
         // The first write's three chunks in one frame; the later write in its own.
         assert_eq!(got, vec![Bytes::from("abcdef"), Bytes::from("gh")]);
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(upstream.idle_count(), 1, "the connection went back to the pool");
+        assert_eq!(
+            upstream.idle_count(),
+            1,
+            "the connection went back to the pool"
+        );
     }
 
     #[tokio::test]
