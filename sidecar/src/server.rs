@@ -47,12 +47,17 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
 }
 
+/// Idle upstream connections kept for reuse. Each holds ~40 KB (hyper's read and write
+/// buffers); a harness rarely has more calls in flight than this, and calls beyond it
+/// still work, on connections opened for them.
+const MAX_IDLE_UPSTREAM: usize = 128;
+
 /// The upstream connection pool for the settings (HTTP/1.1 keep-alive, http and https).
 pub fn upstream(config: &Config) -> anyhow::Result<Arc<Upstream>> {
     Ok(Arc::new(Upstream::new(
         &config.upstream,
         config.connect_timeout,
-        1024,
+        MAX_IDLE_UPSTREAM,
         Duration::from_secs(90),
     )?))
 }
