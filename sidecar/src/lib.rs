@@ -17,6 +17,7 @@ pub mod config;
 pub mod control;
 pub mod dump;
 pub mod episodes;
+pub mod json;
 pub mod metrics;
 pub mod proxy;
 pub mod rebuild;

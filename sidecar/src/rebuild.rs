@@ -15,7 +15,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 
-use serde_json::Value;
+use crate::json::Json as Value;
 use tapline_proto::{Api, Completion, ToolCall, Usage};
 
 use crate::sse::{SseEvent, SseParser};
@@ -198,8 +198,8 @@ fn looks_like_sse(body: &[u8]) -> bool {
         .any(|p| t.starts_with(p))
 }
 
-fn parse_json(bytes: &[u8], what: &str, warnings: &mut Vec<String>) -> Option<Value> {
-    match serde_json::from_slice::<Value>(bytes) {
+fn parse_json<'a>(bytes: &'a [u8], what: &str, warnings: &mut Vec<String>) -> Option<Value<'a>> {
+    match Value::parse(bytes) {
         Ok(v) => Some(v),
         Err(e) => {
             warnings.push(format!("{what}: invalid JSON: {e}"));
@@ -209,7 +209,7 @@ fn parse_json(bytes: &[u8], what: &str, warnings: &mut Vec<String>) -> Option<Va
 }
 
 /// Parses one event's data; `None` (with a warning) when it is not JSON.
-fn event_json(n: usize, ev: &SseEvent, warnings: &mut Vec<String>) -> Option<Value> {
+fn event_json<'a>(n: usize, ev: &'a SseEvent, warnings: &mut Vec<String>) -> Option<Value<'a>> {
     let what = match &ev.event {
         Some(name) => format!("event {n} ({name})"),
         None => format!("event {n}"),
@@ -217,11 +217,11 @@ fn event_json(n: usize, ev: &SseEvent, warnings: &mut Vec<String>) -> Option<Val
     parse_json(ev.data.as_bytes(), &what, warnings)
 }
 
-fn get_str<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
+fn get_str<'a>(v: &'a Value<'_>, key: &str) -> Option<&'a str> {
     v.get(key).and_then(Value::as_str)
 }
 
-fn get_u64(v: &Value, path: &[&str]) -> Option<u64> {
+fn get_u64(v: &Value<'_>, path: &[&str]) -> Option<u64> {
     let mut cur = v;
     for key in path {
         cur = cur.get(key)?;
@@ -229,20 +229,20 @@ fn get_u64(v: &Value, path: &[&str]) -> Option<u64> {
     cur.as_u64()
 }
 
-fn compact(v: &Value) -> String {
+fn compact(v: &Value<'_>) -> String {
     serde_json::to_string(v).unwrap_or_default()
 }
 
 /// A tool call's arguments: the raw string, or compact JSON when an object was sent.
-fn arguments_text(v: &Value) -> String {
+fn arguments_text(v: &Value<'_>) -> String {
     match v {
-        Value::String(s) => s.clone(),
+        Value::String(s) => s.to_string(),
         Value::Null => String::new(),
         other => compact(other),
     }
 }
 
-fn u32_array(v: Option<&Value>) -> Vec<u32> {
+fn u32_array(v: Option<&Value<'_>>) -> Vec<u32> {
     v.and_then(Value::as_array)
         .map(|a| {
             a.iter()
@@ -253,14 +253,14 @@ fn u32_array(v: Option<&Value>) -> Vec<u32> {
 }
 
 /// The message of an error object (`{"message": ...}`, possibly nested in `error`).
-fn error_message(err: &Value) -> String {
+fn error_message(err: &Value<'_>) -> String {
     match err {
-        Value::String(s) => s.clone(),
-        Value::Object(map) => {
-            if let Some(msg) = map.get("message").and_then(Value::as_str) {
+        Value::String(s) => s.to_string(),
+        Value::Object(_) => {
+            if let Some(msg) = err.get("message").and_then(Value::as_str) {
                 return msg.to_owned();
             }
-            match map.get("error") {
+            match err.get("error") {
                 Some(inner @ (Value::Object(_) | Value::String(_))) => error_message(inner),
                 _ => compact(err),
             }
@@ -270,7 +270,7 @@ fn error_message(err: &Value) -> String {
 }
 
 /// A non-null `error` member, if any.
-fn error_member(v: &Value) -> Option<&Value> {
+fn error_member<'v, 'a>(v: &'v Value<'a>) -> Option<&'v Value<'a>> {
     v.get("error").filter(|e| !e.is_null())
 }
 
@@ -283,7 +283,7 @@ fn set_first(field: &mut String, value: Option<&str>) {
 }
 
 /// OpenAI-style usage (chat/completions names, with Responses names as fallback).
-fn openai_usage(u: &Value) -> Usage {
+fn openai_usage(u: &Value<'_>) -> Usage {
     let either = |a: &[&str], b: &[&str]| get_u64(u, a).or_else(|| get_u64(u, b)).unwrap_or(0);
     Usage {
         prompt_tokens: either(&["prompt_tokens"], &["input_tokens"]),
@@ -352,13 +352,13 @@ impl ChoiceAcc {
 }
 
 /// Text of a `content` member: a string, null, or an array of parts with `text`.
-fn content_text(v: &Value) -> String {
+fn content_text(v: &Value<'_>) -> String {
     match v {
-        Value::String(s) => s.clone(),
+        Value::String(s) => s.to_string(),
         Value::Array(parts) => parts
             .iter()
             .filter_map(|p| match p {
-                Value::String(s) => Some(s.as_str()),
+                Value::String(s) => Some(s.as_ref()),
                 other => get_str(other, "text"),
             })
             .collect(),
@@ -366,7 +366,7 @@ fn content_text(v: &Value) -> String {
     }
 }
 
-fn push_logprobs(out: &mut Vec<f64>, logprobs: &Value) {
+fn push_logprobs(out: &mut Vec<f64>, logprobs: &Value<'_>) {
     if let Some(content) = logprobs.get("content").and_then(Value::as_array) {
         out.extend(
             content
@@ -392,7 +392,7 @@ struct OpenAiState {
 
 impl OpenAiState {
     /// Applies a whole response (`streamed == false`) or one stream chunk.
-    fn apply(&mut self, obj: &Value, streamed: bool, warnings: &mut Vec<String>) {
+    fn apply(&mut self, obj: &Value<'_>, streamed: bool, warnings: &mut Vec<String>) {
         if let Some(err) = error_member(obj) {
             self.error = Some(error_message(err));
         }
@@ -442,7 +442,7 @@ impl OpenAiState {
     }
 }
 
-fn apply_choice(acc: &mut ChoiceAcc, choice: &Value, streamed: bool) {
+fn apply_choice(acc: &mut ChoiceAcc, choice: &Value<'_>, streamed: bool) {
     // Legacy completions carry `text` on the choice itself.
     if let Some(text) = get_str(choice, "text") {
         acc.text.push_str(text);
@@ -491,7 +491,7 @@ fn apply_choice(acc: &mut ChoiceAcc, choice: &Value, streamed: bool) {
 
 /// Which tool call a fragment belongs to: its `index` in streams, its position in whole
 /// messages; a streamed fragment without `index` starts a new call when it brings a new id.
-fn tool_key(acc: &ChoiceAcc, call: &Value, pos: usize, streamed: bool) -> u64 {
+fn tool_key(acc: &ChoiceAcc, call: &Value<'_>, pos: usize, streamed: bool) -> u64 {
     if !streamed {
         return pos as u64;
     }
@@ -542,7 +542,7 @@ fn openai_stream(events: &[SseEvent], r: &mut Rebuilt) {
 // OpenAI Responses
 
 /// Adds one `output[]` item of a Responses object to `acc`.
-fn apply_output_item(acc: &mut ChoiceAcc, item: &Value) {
+fn apply_output_item(acc: &mut ChoiceAcc, item: &Value<'_>) {
     let parts = |key: &str| {
         item.get(key)
             .and_then(Value::as_array)
@@ -591,7 +591,7 @@ fn apply_output_item(acc: &mut ChoiceAcc, item: &Value) {
 }
 
 /// Parses a whole Responses object (the JSON body or a terminal event's `response`).
-fn apply_response_object(resp: &Value, r: &mut Rebuilt) {
+fn apply_response_object(resp: &Value<'_>, r: &mut Rebuilt) {
     if let Some(model) = get_str(resp, "model").filter(|m| !m.is_empty()) {
         model.clone_into(&mut r.response_model);
     }
@@ -623,7 +623,7 @@ fn apply_response_object(resp: &Value, r: &mut Rebuilt) {
     r.completions = vec![acc.into_completion(0)];
 }
 
-fn responses_json(value: &Value, r: &mut Rebuilt) {
+fn responses_json(value: &Value<'_>, r: &mut Rebuilt) {
     let is_response = value.get("output").is_some() || get_str(value, "object") == Some("response");
     if is_response {
         apply_response_object(value, r);
@@ -637,7 +637,7 @@ fn responses_json(value: &Value, r: &mut Rebuilt) {
 
 /// An output item as seen through stream deltas.
 #[derive(Debug, Default)]
-struct ItemAcc {
+struct ItemAcc<'a> {
     kind: String,
     text: String,
     reasoning: String,
@@ -646,14 +646,14 @@ struct ItemAcc {
     name: String,
     arguments: String,
     arguments_done: Option<String>,
-    done: Option<Value>,
+    done: Option<Value<'a>>,
 }
 
 fn responses_stream(events: &[SseEvent], r: &mut Rebuilt) {
-    let mut terminal: Option<Value> = None;
+    let mut terminal: Option<Value<'_>> = None;
     let mut model = String::new();
     let mut error: Option<String> = None;
-    let mut items: BTreeMap<u64, ItemAcc> = BTreeMap::new();
+    let mut items: BTreeMap<u64, ItemAcc<'_>> = BTreeMap::new();
     let mut by_item_id: HashMap<String, u64> = HashMap::new();
     for (n, ev) in events.iter().enumerate() {
         if ev.data.trim().is_empty() || ev.data.trim() == "[DONE]" {
@@ -803,18 +803,18 @@ fn responses_stream(events: &[SseEvent], r: &mut Rebuilt) {
 
 /// One content block of a message.
 #[derive(Debug, Default)]
-struct BlockAcc {
+struct BlockAcc<'a> {
     kind: String,
     text: String,
     thinking: String,
     id: String,
     name: String,
-    input: Option<Value>,
+    input: Option<Value<'a>>,
     partial_json: String,
 }
 
-impl BlockAcc {
-    fn from_block(block: &Value) -> Self {
+impl<'a> BlockAcc<'a> {
+    fn from_block(block: &Value<'a>) -> Self {
         BlockAcc {
             kind: get_str(block, "type").unwrap_or_default().to_owned(),
             text: get_str(block, "text").unwrap_or_default().to_owned(),
@@ -836,7 +836,7 @@ struct AnthropicUsage {
 }
 
 impl AnthropicUsage {
-    fn apply(&mut self, u: &Value) {
+    fn apply(&mut self, u: &Value<'_>) {
         if !u.is_object() {
             return;
         }
@@ -867,7 +867,7 @@ impl AnthropicUsage {
 }
 
 /// The single completion of a message, from its blocks in index order.
-fn anthropic_completion(blocks: BTreeMap<u64, BlockAcc>, stop_reason: String) -> Completion {
+fn anthropic_completion(blocks: BTreeMap<u64, BlockAcc<'_>>, stop_reason: String) -> Completion {
     let mut c = Completion {
         finish_reason: stop_reason,
         ..Completion::default()
@@ -895,7 +895,7 @@ fn anthropic_completion(blocks: BTreeMap<u64, BlockAcc>, stop_reason: String) ->
     c
 }
 
-fn anthropic_json(value: &Value, r: &mut Rebuilt) {
+fn anthropic_json(value: &Value<'_>, r: &mut Rebuilt) {
     if get_str(value, "type") == Some("error") || value.get("content").is_none() {
         match error_member(value) {
             Some(err) => r.stream_error = Some(error_message(err)),
@@ -927,7 +927,7 @@ fn anthropic_json(value: &Value, r: &mut Rebuilt) {
 }
 
 fn anthropic_stream(events: &[SseEvent], r: &mut Rebuilt) {
-    let mut blocks: BTreeMap<u64, BlockAcc> = BTreeMap::new();
+    let mut blocks: BTreeMap<u64, BlockAcc<'_>> = BTreeMap::new();
     let mut started = false;
     let mut done = false;
     let mut stop_reason = String::new();
