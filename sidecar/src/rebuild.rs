@@ -68,7 +68,7 @@ pub fn rebuild(api: Api, streamed: bool, body: &[u8]) -> Rebuilt {
         r.warnings
             .push("expected an event stream, got a JSON body; parsed it as JSON".into());
     }
-    let Some(value) = parse_json(body, "response body", &mut r.warnings) else {
+    let Some(value) = parse_json(body, || "response body".to_owned(), &mut r.warnings) else {
         return r;
     };
     match family {
@@ -198,11 +198,15 @@ fn looks_like_sse(body: &[u8]) -> bool {
         .any(|p| t.starts_with(p))
 }
 
-fn parse_json<'a>(bytes: &'a [u8], what: &str, warnings: &mut Vec<String>) -> Option<Value<'a>> {
+fn parse_json<'a>(
+    bytes: &'a [u8],
+    what: impl FnOnce() -> String,
+    warnings: &mut Vec<String>,
+) -> Option<Value<'a>> {
     match Value::parse(bytes) {
         Ok(v) => Some(v),
         Err(e) => {
-            warnings.push(format!("{what}: invalid JSON: {e}"));
+            warnings.push(format!("{}: invalid JSON: {e}", what()));
             None
         }
     }
@@ -210,11 +214,11 @@ fn parse_json<'a>(bytes: &'a [u8], what: &str, warnings: &mut Vec<String>) -> Op
 
 /// Parses one event's data; `None` (with a warning) when it is not JSON.
 fn event_json<'a>(n: usize, ev: &'a SseEvent, warnings: &mut Vec<String>) -> Option<Value<'a>> {
-    let what = match &ev.event {
+    let what = || match &ev.event {
         Some(name) => format!("event {n} ({name})"),
         None => format!("event {n}"),
     };
-    parse_json(ev.data.as_bytes(), &what, warnings)
+    parse_json(ev.data.as_bytes(), what, warnings)
 }
 
 fn get_str<'a>(v: &'a Value<'_>, key: &str) -> Option<&'a str> {

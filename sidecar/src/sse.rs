@@ -139,13 +139,22 @@ impl SseParser {
 
     /// Interprets the buffered line; returns true when it dispatched an event.
     fn complete_line(&mut self, out: &mut Vec<SseEvent>) -> bool {
+        // The line buffer is lent out and given back, so its allocation is reused.
         let mut line = std::mem::take(&mut self.line);
-        if !self.seen_line {
-            self.seen_line = true;
-            if line.starts_with(BOM) {
-                line.drain(..BOM.len());
-            }
-        }
+        let first = !self.seen_line;
+        self.seen_line = true;
+        let text = match line.strip_prefix(BOM) {
+            Some(rest) if first => rest,
+            _ => line.as_slice(),
+        };
+        let dispatched = self.interpret(text, out);
+        line.clear();
+        self.line = line;
+        dispatched
+    }
+
+    /// Applies one line (without its line end); returns true when it dispatched an event.
+    fn interpret(&mut self, line: &[u8], out: &mut Vec<SseEvent>) -> bool {
         if line.is_empty() {
             return self.dispatch(out);
         }
@@ -161,7 +170,7 @@ impl SseParser {
                 }
                 (field, value)
             }
-            None => (line.as_slice(), &[][..]),
+            None => (line, &[][..]),
         };
         match field {
             b"data" => {
