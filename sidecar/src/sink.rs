@@ -621,13 +621,28 @@ async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc
                         .uncompressed_bytes
                         .fetch_add(summary.body_bytes, Ordering::Relaxed);
                     *shared.store_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                    let mut spool = shared.spool();
-                    if let Err(error) = spool.ack(sealed.first_seq) {
-                        tracing::error!(%error, "cannot delete an uploaded spool file; it will be uploaded again (harmless)");
-                    }
-                    shared.publish_gauges(&spool);
-                    drop(spool);
+                    let uploaded = {
+                        let mut spool = shared.spool();
+                        let path = spool.forget(sealed.first_seq);
+                        shared.publish_gauges(&spool);
+                        path
+                    };
                     shared.space.notify_all();
+                    if let Some(path) = uploaded {
+                        // Not under the spool lock and not on the runtime's threads: an
+                        // unlink can wait for the disk (ext4 online discard).
+                        let deleted =
+                            tokio::task::spawn_blocking(move || {
+                                match std::fs::remove_file(&path) {
+                                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                                    _ => Ok(()),
+                                }
+                            })
+                            .await;
+                        if let Ok(Err(error)) = deleted {
+                            tracing::error!(%error, "cannot delete an uploaded spool file; it will be uploaded again after a restart (harmless)");
+                        }
+                    }
                     tracing::debug!(%key, records = summary.records, bytes = summary.object_bytes, "segment stored");
                     break;
                 }
