@@ -8,11 +8,6 @@ use clap::{Parser, Subcommand};
 use tapline_sidecar::config::RawConfig;
 use tapline_sidecar::server::Sidecar;
 
-// mimalloc: the proxy allocates and frees small buffers on every call; glibc's malloc
-// spent ~12% of the sidecar's CPU there (free-list consolidation), mimalloc a fraction.
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 #[derive(Debug, Parser)]
 #[command(
     name = "tapline-sidecar",
