@@ -340,15 +340,16 @@ impl Body for UpstreamBody {
         if this.ended {
             return Poll::Ready(None);
         }
-        let mut first: Option<Bytes> = None;
-        let mut joined: Option<BytesMut> = None;
+        // The chunks that are ready, joined into one frame at the end (one exact copy).
+        let mut ready: Vec<Bytes> = Vec::new();
+        let mut gathered = 0usize;
         loop {
             if let Some(lease) = &mut this.lease {
                 lease.drive(cx);
             }
             let polled = Pin::new(&mut this.inner).poll_frame(cx);
             let frame = match polled {
-                Poll::Pending if first.is_none() => return Poll::Pending,
+                Poll::Pending if ready.is_empty() => return Poll::Pending,
                 Poll::Pending => break,
                 Poll::Ready(Some(Ok(frame))) if frame.is_data() => frame,
                 // Trailers, an error or the end: given after the data gathered so far.
@@ -356,7 +357,7 @@ impl Body for UpstreamBody {
                     if other.is_none() {
                         this.release(cx);
                     }
-                    if first.is_none() {
+                    if ready.is_empty() {
                         this.ended = other.is_none();
                         return Poll::Ready(other);
                     }
@@ -365,32 +366,20 @@ impl Body for UpstreamBody {
                 }
             };
             let data = frame.into_data().unwrap_or_default();
-            let gathered = match (&first, &mut joined) {
-                (None, _) => {
-                    let len = data.len();
-                    first = Some(data);
-                    len
-                }
-                (Some(head), None) => {
-                    let mut buf = BytesMut::with_capacity((head.len() + data.len()) * 2);
-                    buf.extend_from_slice(head);
-                    buf.extend_from_slice(&data);
-                    let len = buf.len();
-                    joined = Some(buf);
-                    len
-                }
-                (Some(_), Some(buf)) => {
-                    buf.extend_from_slice(&data);
-                    buf.len()
-                }
-            };
+            gathered += data.len();
+            ready.push(data);
             if gathered >= COALESCE_MAX {
                 break;
             }
         }
-        let data = match joined {
-            Some(buf) => buf.freeze(),
-            None => first.unwrap_or_default(),
+        let data = if ready.len() == 1 {
+            ready.pop().unwrap_or_default()
+        } else {
+            let mut joined = BytesMut::with_capacity(gathered);
+            for chunk in &ready {
+                joined.extend_from_slice(chunk);
+            }
+            joined.freeze()
         };
         Poll::Ready(Some(Ok(Frame::data(data))))
     }
