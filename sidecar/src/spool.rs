@@ -8,7 +8,7 @@
 //!   {first_seq:016x}.open     the file being appended to (at most one)
 //!   {first_seq:016x}.sealed   closed files waiting for upload; one file = one segment
 //!   {first_seq:016x}.corrupt  sealed files that failed their checks (kept for inspection)
-//!   high-water                the highest sequence number ever sealed (decimal text)
+//!   high-water                the highest sequence number ever sealed (20 decimal digits, rewritten in place)
 //!
 //! file   = header frame*
 //! header = "TLSP" | version u8 (= 1) | 3 zero bytes
@@ -485,8 +485,13 @@ impl Spool {
         let Some(open) = self.open.take() else {
             return Ok(None);
         };
-        // Remember the highest sequence number before the file can be deleted.
+        // Remember the highest sequence number before the file can be deleted (made
+        // durable by the next sync job, like the sealed file).
         write_high_water(&self.dir, self.next_seq - 1)?;
+        let mark = self.dir.join("high-water");
+        if !self.unsynced.contains(&mark) {
+            self.unsynced.push(mark);
+        }
         let path = self.dir.join(file_name(open.first_seq, "sealed"));
         fs::rename(&open.path, &path)?;
         // The fsync of the file and of the directory runs in the next sync job.
@@ -610,6 +615,34 @@ mod tests {
             .iter()
             .flat_map(|s| ids(&read_sealed(&s.path).unwrap()))
             .collect()
+    }
+
+    #[test]
+    fn sequence_numbers_stay_above_the_mark_when_the_clock_goes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        // A mark in the old format (unpadded text) is read and then rewritten in place.
+        fs::write(dir.path().join("high-water"), "7").unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 20, 5_000).unwrap();
+        let mut last = 0;
+        for i in 0..3 {
+            last = spool.append("s", 0, &mut Some(reward(i))).unwrap();
+        }
+        let sealed = spool.seal().unwrap().unwrap();
+        spool.sync().unwrap();
+        let mark = fs::read_to_string(dir.path().join("high-water")).unwrap();
+        assert_eq!(mark, format!("{last:020}"));
+        // Uploaded and deleted: nothing is left on disk but the mark.
+        fs::remove_file(spool.forget(sealed.first_seq).unwrap()).unwrap();
+        assert_eq!(spool.records(), 0);
+        drop(spool);
+        // The clock now reads earlier than the sequence numbers handed out.
+        let (mut again, recovery) = Spool::open(dir.path(), 1 << 20, 1).unwrap();
+        assert_eq!(recovery.records, 0);
+        let next = again.append("s", 0, &mut Some(reward(9))).unwrap();
+        assert!(next > last, "{next} <= {last}");
+        again.seal().unwrap();
+        let mark = fs::read_to_string(dir.path().join("high-water")).unwrap();
+        assert_eq!(mark.parse::<u64>().unwrap(), next);
     }
 
     #[test]
