@@ -941,8 +941,10 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         .parse::<http::Uri>()
         .map_err(|e| e.to_string())
         .and_then(|full| {
-            let origin = full.path_and_query().map_or("/", |p| p.as_str());
-            origin.parse::<http::Uri>().map_err(|e| e.to_string())
+            let mut parts = full.into_parts();
+            parts.scheme = None;
+            parts.authority = None;
+            http::Uri::from_parts(parts).map_err(|e| e.to_string())
         }) {
         Ok(uri) => uri,
         Err(e) => {

@@ -33,7 +33,7 @@ use tapline_proto::{EpisodeEventKind, RecordKind};
 use tokio::sync::{Notify, oneshot};
 
 use crate::metrics::Metrics;
-use crate::spool::{AppendError, Recovery, Spool, for_each_sealed};
+use crate::spool::{AppendError, Recovery, Spool, delete_file, for_each_sealed};
 
 /// A record could not be accepted and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -631,14 +631,7 @@ async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc
                     if let Some(path) = uploaded {
                         // Not under the spool lock and not on the runtime's threads: an
                         // unlink can wait for the disk (ext4 online discard).
-                        let deleted =
-                            tokio::task::spawn_blocking(move || {
-                                match std::fs::remove_file(&path) {
-                                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-                                    _ => Ok(()),
-                                }
-                            })
-                            .await;
+                        let deleted = tokio::task::spawn_blocking(move || delete_file(&path)).await;
                         if let Ok(Err(error)) = deleted {
                             tracing::error!(%error, "cannot delete an uploaded spool file; it will be uploaded again after a restart (harmless)");
                         }

@@ -236,6 +236,14 @@ pub fn read_sealed(path: &Path) -> io::Result<Vec<Record>> {
     Ok(records)
 }
 
+/// Deletes a spool file; one already gone is fine.
+pub fn delete_file(path: &Path) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Records the highest sequence number handed out (write, rename; made durable by the
 /// next sync job's directory fsync).
 ///
@@ -520,19 +528,10 @@ impl Spool {
 
     /// Deletes a sealed file once the store has acknowledged its segment.
     pub fn ack(&mut self, first_seq: u64) -> io::Result<()> {
-        if let Some(sealed) = self.sealed.remove(&first_seq) {
-            match fs::remove_file(&sealed.path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    self.sealed.insert(first_seq, sealed);
-                    return Err(e);
-                }
-            }
-            self.bytes = self.bytes.saturating_sub(sealed.bytes);
-            self.records = self.records.saturating_sub(sealed.records);
+        match self.forget(first_seq) {
+            Some(path) => delete_file(&path),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Moves a sealed file that cannot be read aside (`.corrupt`), so uploads go on.
