@@ -5,12 +5,14 @@
 //! then measures the same workloads direct-to-upstream and through the sidecar, in the
 //! same run:
 //! - closed loop at 1, 64 and 512 concurrent clients (keep-alive connections), JSON and
-//!   SSE responses: latency percentiles and requests per second;
+//!   SSE responses, and a long (2,002-chunk) stream at 1 and 64 clients: latency
+//!   percentiles and requests per second;
 //! - open loop at a fixed 1,000 requests per second: p50/p99 added latency;
 //! - the sidecar's peak resident memory (VmHWM).
 //!
 //! `cargo bench -p tapline-sidecar --bench proxy` (add `-- --quick` for a short run, and
-//! `--mode json|sse|paced`, repeatable, to run only those workloads).
+//! `--mode json|sse|paced|long`, repeatable, to run only those workloads;
+//! `TAPLINE_BENCH_SIDECAR=path` measures another build of the sidecar, e.g. a baseline).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -38,10 +40,24 @@ fn sse_chunks() -> Vec<Bytes> {
     chunks
 }
 
+/// A long answer: 2,000 content chunks, then the final chunk and `[DONE]`.
+fn long_chunks() -> Vec<Bytes> {
+    let mut chunks: Vec<Bytes> = (0..2_000)
+        .map(|i| {
+            Bytes::from(format!(
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
+            ))
+        })
+        .collect();
+    chunks.extend(sse_chunks().pop());
+    chunks
+}
+
 async fn upstream() -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let chunks = Arc::new(sse_chunks());
+    let long = Arc::new(long_chunks());
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
@@ -49,9 +65,11 @@ async fn upstream() -> SocketAddr {
             };
             let _ = stream.set_nodelay(true);
             let chunks = chunks.clone();
+            let long = long.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let chunks = chunks.clone();
+                    let long = long.clone();
                     async move {
                         let body = req
                             .into_body()
@@ -61,6 +79,11 @@ async fn upstream() -> SocketAddr {
                             .unwrap_or_default();
                         let stream = body.windows(13).any(|w| w == b"\"stream\":true");
                         let paced = body.windows(7).any(|w| w == b"\"paced\"");
+                        let chunks = if body.windows(6).any(|w| w == b"\"long\"") {
+                            long
+                        } else {
+                            chunks
+                        };
                         let resp: Response<
                             http_body_util::combinators::BoxBody<Bytes, Infallible>,
                         > = if paced {
@@ -128,7 +151,10 @@ impl SidecarProcess {
             clippy::zombie_processes,
             reason = "Drop kills and waits for the child"
         )]
-        let child = Command::new(env!("CARGO_BIN_EXE_tapline-sidecar"))
+        // TAPLINE_BENCH_SIDECAR runs another build (say, of the previous commit) instead.
+        let binary = std::env::var_os("TAPLINE_BENCH_SIDECAR")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_tapline-sidecar").into());
+        let child = Command::new(binary)
             .args([
                 "--listen",
                 &addr.to_string(),
@@ -205,6 +231,7 @@ async fn connect(addr: SocketAddr) -> Sender {
 
 const REQUEST: &str = r#"{"model":"bench","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Say something."}]}"#;
 const PACED_REQUEST: &str = r#"{"model":"bench","stream":true,"user":"paced","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Say something."}]}"#;
+const LONG_REQUEST: &str = r#"{"model":"bench","stream":true,"user":"long","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Say something."}]}"#;
 const STREAM_REQUEST: &str = r#"{"model":"bench","stream":true,"messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Say something."}]}"#;
 
 /// One request on a keep-alive connection; returns the latency to the last body byte.
@@ -213,6 +240,7 @@ async fn one(sender: &mut Sender, addr: SocketAddr, mode: Mode) -> Duration {
         Mode::Json => REQUEST,
         Mode::Sse => STREAM_REQUEST,
         Mode::SsePaced => PACED_REQUEST,
+        Mode::SseLong => LONG_REQUEST,
     };
     let req = Request::post(format!("http://{addr}/v1/chat/completions"))
         .header("host", addr.to_string())
@@ -235,6 +263,8 @@ enum Mode {
     Sse,
     /// The same stream with 1 ms between chunks.
     SsePaced,
+    /// A long answer: 2,002 chunks (320 KB) sent at once.
+    SseLong,
 }
 
 impl Mode {
@@ -243,6 +273,7 @@ impl Mode {
             Mode::Json => "json",
             Mode::Sse => "sse burst",
             Mode::SsePaced => "sse 1 chunk/ms",
+            Mode::SseLong => "sse 2,002 chunks",
         }
     }
 }
@@ -352,7 +383,8 @@ fn main() {
             "json" => Mode::Json,
             "sse" => Mode::Sse,
             "paced" => Mode::SsePaced,
-            other => panic!("--mode {other}: expected json, sse or paced"),
+            "long" => Mode::SseLong,
+            other => panic!("--mode {other}: expected json, sse, paced or long"),
         })
         .collect();
     let wanted = move |m: Mode| picked.is_empty() || picked.contains(&m);
@@ -369,9 +401,15 @@ fn main() {
         println!("closed loop: latency to the last body byte, direct vs through the sidecar");
         println!("| mode | clients | direct p50 | direct p99 | sidecar p50 | sidecar p99 | added p50 | added p99 | direct req/s | sidecar req/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
-        for stream in [Mode::Json, Mode::Sse].into_iter().filter(|m| wanted(*m)) {
-            for clients in [1usize, 64, 512] {
-                let total = (if clients == 1 { 500 } else { 2_000 }) * scale;
+        for stream in [Mode::Json, Mode::Sse, Mode::SseLong].into_iter().filter(|m| wanted(*m)) {
+            // A long stream is 320 KB: one client and fewer calls show what it adds.
+            let (client_counts, one_client_calls): (&[usize], usize) = if stream == Mode::SseLong {
+                (&[1, 64], 100)
+            } else {
+                (&[1, 64, 512], 500)
+            };
+            for &clients in client_counts {
+                let total = (if clients == 1 { one_client_calls } else if stream == Mode::SseLong { 500 } else { 2_000 }) * scale;
                 // Warm both paths, then alternate the measured runs.
                 closed_loop(up, clients, clients * 2, stream).await;
                 closed_loop(sidecar.addr, clients, clients * 2, stream).await;

@@ -66,8 +66,12 @@ pub struct Metrics {
     pub stored_bytes: AtomicU64,
     /// Failed upload attempts.
     pub upload_failures: AtomicU64,
-    /// Calls whose completion could not be fully rebuilt (warnings in the record).
+    /// Calls whose completion could not be fully rebuilt (warnings in the record);
+    /// counted when the call's segment is built.
     pub capture_warnings: AtomicU64,
+    /// Calls answered with a 2xx status whose body or stream reported an error (their
+    /// records say `upstream_error`); counted when the call's segment is built.
+    pub body_errors: AtomicU64,
     /// Calls that could not be recorded at all.
     pub capture_failures: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
@@ -139,7 +143,7 @@ impl Metrics {
             .iter()
             .map(|o| get(&self.outcomes[*o as usize]))
             .sum();
-        let counters: [(&str, &str, u64); 18] = [
+        let counters: [(&str, &str, u64); 19] = [
             (
                 "tapline_errors_total",
                 "Proxied calls that did not end ok.",
@@ -222,8 +226,13 @@ impl Metrics {
             ),
             (
                 "tapline_capture_warnings_total",
-                "Calls whose completion could not be fully rebuilt.",
+                "Calls whose completion could not be fully rebuilt (counted when the segment is built).",
                 get(&self.capture_warnings),
+            ),
+            (
+                "tapline_body_errors_total",
+                "Calls with a 2xx status whose body reported an error (counted when the segment is built; tapline_calls_total counts them by status).",
+                get(&self.body_errors),
             ),
             (
                 "tapline_capture_failures_total",

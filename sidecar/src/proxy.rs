@@ -6,8 +6,11 @@
 //!   `x-tapline-span-id`) and body bytes unchanged, each body frame as soon as it arrives.
 //!   The one exception is token fidelity (`--upstream-kind vllm|sglang`): fields the
 //!   sidecar asked for on its own are removed from the client's copy.
-//! - Recording never blocks the response: the record is built and queued on a separate
-//!   task once the body ended, failed, timed out or was dropped by the client.
+//! - The last frame of a response is held until the call's record is in the spool, so a
+//!   response the client received whole is always captured. Only the raw record is
+//!   written then (one append to the page cache); the rebuild from the raw bytes waits
+//!   for the segment builder (`rebuild::complete`). Calls that failed or that the client
+//!   dropped are recorded on a separate task; nothing waits for them.
 //! - Request bodies larger than the capture cap are forwarded whole; the record keeps a
 //!   prefix and says it is truncated.
 
@@ -32,7 +35,6 @@ use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
 
 use crate::config::{NEVER_RECORDED, UpstreamKind};
 use crate::episodes::{Hints, valid_episode_id};
-use crate::rebuild;
 use crate::server::AppState;
 use crate::sink::{Dropped, now_nanos};
 use crate::upstream::{SendError, UpstreamBody};
@@ -281,7 +283,6 @@ struct Capture {
     call: LlmCall,
     body: Vec<u8>,
     body_size: u64,
-    content_encoding: Option<String>,
     /// Request body bytes forwarded so far, when the body was longer than the cap and
     /// streamed through.
     request_size: Option<Arc<AtomicU64>>,
@@ -351,6 +352,9 @@ impl Capture {
         self.record()
     }
 
+    /// Queues the record as captured; what derives from the raw bytes (the rebuilt
+    /// completion, the final outcome) is filled in when its segment is built
+    /// (`rebuild::complete`), so the response never waits for it.
     fn record(mut self) -> Spooled {
         let call = &mut self.call;
         if let Some(size) = &self.request_size {
@@ -358,48 +362,14 @@ impl Capture {
         }
         call.response_truncated = self.body_size > self.body.len() as u64;
         call.response_body_size = self.body_size;
-        let api = call.api();
-        if api != Api::Other && !self.body.is_empty() {
-            match rebuild::decode_content(self.content_encoding.as_deref(), &self.body) {
-                Ok(decoded) => {
-                    let rebuilt = rebuild::rebuild(api, call.streamed, &decoded);
-                    call.completions = rebuilt.completions;
-                    call.usage = rebuilt.usage;
-                    if !rebuilt.response_model.is_empty() {
-                        call.response_model = rebuilt.response_model;
-                    }
-                    call.prompt_token_ids = rebuilt.prompt_token_ids;
-                    if let Some(message) = rebuilt.stream_error
-                        && call.outcome() == Outcome::Ok
-                    {
-                        call.outcome = Outcome::UpstreamError as i32;
-                        call.error = message;
-                    }
-                    call.capture_warnings.extend(rebuilt.warnings);
-                }
-                Err(e) => call
-                    .capture_warnings
-                    .push(format!("cannot decode response body: {e}")),
-            }
-        }
-        if call.response_truncated {
-            call.capture_warnings.push(format!(
-                "response body truncated to {} bytes",
-                self.body.len()
-            ));
-        }
-        if call.policy_version.is_empty() {
-            call.policy_version = call.response_model.clone();
-        }
-        if call.outcome() == Outcome::Ok && !(200..300).contains(&call.http_status) {
-            call.outcome = Outcome::UpstreamError as i32;
-        }
         call.response_body = std::mem::take(&mut self.body);
-        let metrics = &self.state.metrics;
-        metrics.outcome(call.outcome());
-        if !call.capture_warnings.is_empty() {
-            metrics.capture_warnings.fetch_add(1, Ordering::Relaxed);
-        }
+        // The live count by outcome goes by transport and status; an error reported
+        // inside a 2xx body is counted when the segment is built (`stream_errors`).
+        let outcome = match call.outcome() {
+            Outcome::Ok if !(200..300).contains(&call.http_status) => Outcome::UpstreamError,
+            other => other,
+        };
+        self.state.metrics.outcome(outcome);
         let episode_id = call.episode_id.clone();
         let ack = self.state.sink.submit(RecordKind::LlmCall(self.call));
         let state = self.state;
@@ -723,20 +693,25 @@ fn concat(chunks: &[Bytes], len: usize) -> Bytes {
     }
 }
 
+/// The allowed headers, by lower-case name; repeated fields joined with ", " in order
+/// (RFC 9110 §5.3), so that e.g. two `content-encoding` fields keep both codings.
 fn recorded_headers(headers: &HeaderMap, allow: &[String]) -> BTreeMap<String, String> {
-    headers
-        .iter()
-        .filter(|(name, _)| {
-            let n = name.as_str();
-            !NEVER_RECORDED.contains(&n) && allow.iter().any(|a| a == n)
-        })
-        .map(|(name, value)| {
-            (
-                name.as_str().to_owned(),
-                String::from_utf8_lossy(value.as_bytes()).into_owned(),
-            )
-        })
-        .collect()
+    let mut recorded = BTreeMap::new();
+    for name in headers.keys() {
+        let n = name.as_str();
+        if NEVER_RECORDED.contains(&n) || !allow.iter().any(|a| a == n) {
+            continue;
+        }
+        let mut joined = String::new();
+        for value in headers.get_all(name) {
+            if !joined.is_empty() {
+                joined.push_str(", ");
+            }
+            joined.push_str(&String::from_utf8_lossy(value.as_bytes()));
+        }
+        recorded.insert(n.to_owned(), joined);
+    }
+    recorded
 }
 
 fn remove_hop_by_hop(headers: &mut HeaderMap) {
@@ -932,7 +907,6 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         call,
         body: Vec::new(),
         body_size: 0,
-        content_encoding: None,
         request_size,
     }));
 
@@ -1035,7 +1009,6 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         {
             call.policy_version = version.to_owned();
         }
-        capture.content_encoding = content_encoding.clone();
     }
     if let Ok(v) = HeaderValue::from_str(&span_id) {
         rparts.headers.insert(SPAN_ID_HEADER, v);

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 
 use crate::json::Json as Value;
-use tapline_proto::{Api, Completion, ToolCall, Usage};
+use tapline_proto::{Api, Completion, LlmCall, Outcome, ToolCall, Usage};
 
 use crate::sse::{SseEvent, SseParser};
 
@@ -84,6 +84,75 @@ pub fn rebuild(api: Api, streamed: bool, body: &[u8]) -> Rebuilt {
         Family::Anthropic => anthropic_json(&value, &mut r),
     }
     r
+}
+
+/// What [`complete`] found, for the metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Completed {
+    /// The record has capture warnings.
+    pub warned: bool,
+    /// A success response whose body reported an error (the record's outcome became
+    /// `upstream_error`).
+    pub body_error: bool,
+}
+
+/// Fills in what a captured call's record derives from its raw bytes: the rebuilt
+/// completions, usage, response model and prompt ids, warnings, the default policy
+/// version, and the final outcome (an error inside a 2xx body, or a non-2xx status, make
+/// an `ok` call `upstream_error`).
+///
+/// The proxy spools records as captured and the segment builder calls this, so a
+/// response never waits for its own rebuild (`spool::Stored`). Pure: the same record
+/// always completes the same way. The response body is decoded by the recorded
+/// `content-encoding` header (always on the allow-list).
+pub fn complete(call: &mut LlmCall) -> Completed {
+    let api = call.api();
+    let transport_ok = call.outcome() == Outcome::Ok;
+    let mut body_error = false;
+    if api != Api::Other && !call.response_body.is_empty() {
+        let encoding = call
+            .response_headers
+            .get("content-encoding")
+            .map(String::as_str);
+        match decode_content(encoding, &call.response_body) {
+            Ok(decoded) => {
+                let rebuilt = rebuild(api, call.streamed, &decoded);
+                call.completions = rebuilt.completions;
+                call.usage = rebuilt.usage;
+                if !rebuilt.response_model.is_empty() {
+                    call.response_model = rebuilt.response_model;
+                }
+                call.prompt_token_ids = rebuilt.prompt_token_ids;
+                if let Some(message) = rebuilt.stream_error
+                    && transport_ok
+                {
+                    call.outcome = Outcome::UpstreamError as i32;
+                    call.error = message;
+                    body_error = (200..300).contains(&call.http_status);
+                }
+                call.capture_warnings.extend(rebuilt.warnings);
+            }
+            Err(e) => call
+                .capture_warnings
+                .push(format!("cannot decode response body: {e}")),
+        }
+    }
+    if call.response_truncated {
+        call.capture_warnings.push(format!(
+            "response body truncated to {} bytes",
+            call.response_body.len()
+        ));
+    }
+    if call.policy_version.is_empty() {
+        call.policy_version = call.response_model.clone();
+    }
+    if call.outcome() == Outcome::Ok && !(200..300).contains(&call.http_status) {
+        call.outcome = Outcome::UpstreamError as i32;
+    }
+    Completed {
+        warned: !call.capture_warnings.is_empty(),
+        body_error,
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -1032,6 +1101,103 @@ mod tests {
             "data: {\"id\":\"c\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":\"stop\"}]}\n\n",
             "data: [DONE]\n\n",
         )
+    }
+
+    fn captured(api: Api, streamed: bool, status: u32, body: &[u8]) -> LlmCall {
+        LlmCall {
+            api: api as i32,
+            streamed,
+            http_status: status,
+            outcome: Outcome::Ok as i32,
+            response_body: body.to_vec(),
+            response_body_size: body.len() as u64,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn complete_fills_what_the_raw_bytes_say() {
+        let mut call = captured(Api::ChatCompletions, true, 200, chat_sse().as_bytes());
+        let done = complete(&mut call);
+        assert_eq!(done, Completed::default());
+        assert_eq!(call.completions.len(), 1);
+        assert_eq!(call.completions[0].text, "Hello");
+        assert_eq!(call.response_model, "m");
+        assert_eq!(
+            call.policy_version, "m",
+            "policy version defaults to the model"
+        );
+        assert_eq!(call.outcome(), Outcome::Ok);
+        assert!(call.capture_warnings.is_empty());
+        // The same record always completes the same way.
+        let mut again = captured(Api::ChatCompletions, true, 200, chat_sse().as_bytes());
+        complete(&mut again);
+        assert_eq!(again, call);
+    }
+
+    #[test]
+    fn complete_decodes_by_the_recorded_content_encoding() {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(chat_sse().as_bytes()).unwrap();
+        let body = gz.finish().unwrap();
+        let mut call = captured(Api::ChatCompletions, true, 200, &body);
+        call.response_headers
+            .insert("content-encoding".into(), "gzip".into());
+        call.policy_version = "v7".into();
+        complete(&mut call);
+        assert_eq!(call.completions[0].text, "Hello");
+        assert_eq!(
+            call.policy_version, "v7",
+            "a version from the upstream is kept"
+        );
+        // Raw bytes are kept as received.
+        assert_eq!(call.response_body, body);
+    }
+
+    #[test]
+    fn complete_turns_errors_in_a_2xx_stream_and_bad_statuses_into_upstream_error() {
+        let stream = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"error\":{\"message\":\"overloaded\"}}\n\n";
+        let mut call = captured(Api::ChatCompletions, true, 200, stream);
+        let done = complete(&mut call);
+        assert!(done.body_error && done.warned, "{done:?}");
+        assert_eq!(call.outcome(), Outcome::UpstreamError);
+        assert_eq!(call.error, "overloaded");
+        assert_eq!(call.capture_warnings, ["stream ended without [DONE]"]);
+
+        let json = br#"{"error":{"message":"model not found","type":"invalid_request_error"}}"#;
+        let mut call = captured(Api::ChatCompletions, false, 404, json);
+        let done = complete(&mut call);
+        assert!(!done.body_error, "a 404 is not a 2xx body error");
+        assert_eq!(call.outcome(), Outcome::UpstreamError);
+        assert_eq!(call.error, "model not found");
+
+        // A call that failed in transport keeps its outcome and message.
+        let mut call = captured(Api::ChatCompletions, true, 200, stream);
+        call.outcome = Outcome::ClientAborted as i32;
+        call.error = "client closed the connection".into();
+        complete(&mut call);
+        assert_eq!(call.outcome(), Outcome::ClientAborted);
+        assert_eq!(call.error, "client closed the connection");
+    }
+
+    #[test]
+    fn complete_flags_truncation_and_leaves_other_apis_alone() {
+        let sse = chat_sse().as_bytes();
+        let mut call = captured(Api::ChatCompletions, true, 200, &sse[..40]);
+        call.response_truncated = true;
+        call.response_body_size = sse.len() as u64;
+        let done = complete(&mut call);
+        assert!(done.warned);
+        assert_eq!(
+            call.capture_warnings.last().map(String::as_str),
+            Some("response body truncated to 40 bytes")
+        );
+
+        let mut call = captured(Api::Other, false, 200, b"{\"data\":[]}");
+        let done = complete(&mut call);
+        assert_eq!(done, Completed::default());
+        assert!(call.completions.is_empty() && call.usage.is_none());
+        assert_eq!(call.outcome(), Outcome::Ok);
     }
 
     #[test]

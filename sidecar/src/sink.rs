@@ -5,14 +5,17 @@
 //! submit ──queue──▶ spool writer thread ──append──▶ spool (.open) ──seal──▶ .sealed
 //!                        │ (ack once written)                              │
 //!                                              uploader task ◀─────────────┘
-//!                                              build segment, create-only PUT, retry,
-//!                                              then delete the sealed file (ack)
+//!                                              build segment (complete each call:
+//!                                              rebuild::complete), create-only PUT,
+//!                                              retry, then delete the sealed file (ack)
 //! ```
 //!
 //! - Capture never waits for storage. [`RecordSink::submit`] only enqueues; the returned
 //!   [`Ack`] resolves once the record is in the spool (or was dropped). The proxy waits
 //!   for that ack before it sends the last byte of a response, so a response the client
-//!   received whole is always in the spool; the wait is a local file append.
+//!   received whole is always in the spool; the wait is a local file append. Calls are
+//!   spooled as captured (raw bytes); the segment builder derives their completions, so
+//!   no response waits for the rebuild of its own body.
 //! - Segments are cut by size, by age and when an episode ends. Each sealed spool file
 //!   becomes exactly one segment whose key depends only on its content, so an upload
 //!   retried after a crash writes the same key (create-only PUT: harmless).
@@ -33,7 +36,8 @@ use tapline_proto::{EpisodeEventKind, RecordKind};
 use tokio::sync::{Notify, oneshot};
 
 use crate::metrics::Metrics;
-use crate::spool::{AppendError, Recovery, Spool, delete_file, for_each_sealed};
+use crate::rebuild;
+use crate::spool::{AppendError, Recovery, Spool, Stored, delete_file, for_each_sealed};
 
 /// A record could not be accepted and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -496,10 +500,19 @@ fn seal(spool: &mut Spool, shared: &Shared) {
 fn build_segment(
     path: &std::path::Path,
     level: i32,
+    metrics: &Metrics,
 ) -> std::io::Result<(Vec<u8>, tapline_proto::segment::SegmentSummary)> {
     let mut writer = SegmentWriter::new(Vec::new(), level).map_err(std::io::Error::other)?;
     let mut since_yield = 0usize;
-    for_each_sealed(path, |record| {
+    let (mut warned, mut body_errors) = (0u64, 0u64);
+    for_each_sealed(path, |mut record, stored| {
+        if stored == Stored::AsCaptured
+            && let Some(RecordKind::LlmCall(call)) = &mut record.kind
+        {
+            let done = rebuild::complete(call);
+            warned += u64::from(done.warned);
+            body_errors += u64::from(done.body_error);
+        }
         writer.append(&record).map_err(std::io::Error::other)?;
         since_yield += prost::Message::encoded_len(&record);
         if since_yield >= 64 << 10 {
@@ -508,6 +521,14 @@ fn build_segment(
         }
         Ok(())
     })?;
+    // Counted once per sealed file: a segment is built once per process and then kept
+    // for every upload retry.
+    metrics
+        .capture_warnings
+        .fetch_add(warned, Ordering::Relaxed);
+    metrics
+        .body_errors
+        .fetch_add(body_errors, Ordering::Relaxed);
     writer.finish().map_err(std::io::Error::other)
 }
 
@@ -564,7 +585,9 @@ async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc
         }
         let path = sealed.path.clone();
         let level = options.zstd_level;
-        let built = tokio::task::spawn_blocking(move || build_segment(&path, level)).await;
+        let build_metrics = shared.metrics.clone();
+        let built =
+            tokio::task::spawn_blocking(move || build_segment(&path, level, &build_metrics)).await;
         let (bytes, summary) = match built {
             Ok(Ok(done)) => done,
             Ok(Err(error)) => {
@@ -666,5 +689,98 @@ async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use tapline_proto::segment::{Limits, decode_segment};
+    use tapline_proto::{Api, LlmCall, Outcome};
+
+    const STREAM: &str = concat!(
+        "data: {\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
+        "data: {\"error\":{\"message\":\"overloaded\"}}\n\n",
+    );
+
+    fn captured_call() -> LlmCall {
+        LlmCall {
+            span_id: "s1".into(),
+            api: Api::ChatCompletions as i32,
+            streamed: true,
+            http_status: 200,
+            outcome: Outcome::Ok as i32,
+            response_body: STREAM.as_bytes().to_vec(),
+            response_body_size: STREAM.len() as u64,
+            ..Default::default()
+        }
+    }
+
+    fn built_calls(path: &std::path::Path, metrics: &Metrics) -> Vec<LlmCall> {
+        let (bytes, summary) = build_segment(path, 3, metrics).unwrap();
+        assert_eq!(summary.records, 1);
+        decode_segment(&bytes, Limits::default())
+            .unwrap()
+            .into_iter()
+            .filter_map(|r| match r.kind {
+                Some(RecordKind::LlmCall(call)) => Some(call),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn segments_carry_completed_calls_built_from_the_raw_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        spool
+            .append("s", 1, &mut Some(RecordKind::LlmCall(captured_call())))
+            .unwrap();
+        let sealed = spool.seal().unwrap().unwrap();
+        // The spool holds the call as captured.
+        let stored = crate::spool::read_sealed(&sealed.path).unwrap();
+        let Some(RecordKind::LlmCall(raw)) = &stored[0].kind else {
+            panic!("not a call: {:?}", stored[0]);
+        };
+        assert!(raw.completions.is_empty());
+        assert_eq!(raw.outcome(), Outcome::Ok);
+
+        let metrics = Metrics::default();
+        let calls = built_calls(&sealed.path, &metrics);
+        assert_eq!(calls[0].completions[0].text, "Hi");
+        assert_eq!(calls[0].outcome(), Outcome::UpstreamError);
+        assert_eq!(calls[0].error, "overloaded");
+        assert_eq!(calls[0].response_body, STREAM.as_bytes());
+        assert_eq!(metrics.body_errors.load(Ordering::Relaxed), 1);
+        assert_eq!(metrics.capture_warnings.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn records_of_version_1_spool_files_are_already_complete() {
+        // An older sidecar left a sealed file of format 1: its calls were completed
+        // before they were spooled and must not be completed twice.
+        let dir = tempfile::tempdir().unwrap();
+        let mut call = captured_call();
+        crate::rebuild::complete(&mut call);
+        assert_eq!(call.capture_warnings.len(), 1);
+        let record = tapline_proto::Record::new("s", 1, 1, RecordKind::LlmCall(call.clone()));
+        let payload = prost::Message::encode_to_vec(&record);
+        let path = dir.path().join(format!("{:016x}.sealed", 1));
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(b"TLSP\x01\0\0\0").unwrap();
+        file.write_all(&(payload.len() as u32).to_le_bytes())
+            .unwrap();
+        file.write_all(&crc32c::crc32c(&payload).to_le_bytes())
+            .unwrap();
+        file.write_all(&payload).unwrap();
+        drop(file);
+
+        let (spool, recovery) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        assert_eq!(recovery.records, 1, "a version 1 file is read");
+        let metrics = Metrics::default();
+        let calls = built_calls(&spool.sealed()[0].path, &metrics);
+        assert_eq!(calls, [call]);
+        assert_eq!(metrics.capture_warnings.load(Ordering::Relaxed), 0);
     }
 }

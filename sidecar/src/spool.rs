@@ -11,9 +11,14 @@
 //!   high-water                the highest sequence number ever sealed (20 decimal digits, rewritten in place)
 //!
 //! file   = header frame*
-//! header = "TLSP" | version u8 (= 1) | 3 zero bytes
+//! header = "TLSP" | version u8 (= 2; 1 is still read) | 3 zero bytes
 //! frame  = length u32 LE | crc32c(payload) u32 LE | payload (one `Record`, protobuf, `length` bytes)
 //! ```
+//!
+//! Version 2 files hold `LlmCall` records as captured: raw bodies, timings, transport
+//! outcome; what is derived from the raw bytes (completions, usage, the final outcome)
+//! is filled in by [`crate::rebuild::complete`] when the segment is built, off the
+//! response path. Version 1 files (written by older sidecars) hold completed records.
 //!
 //! # Invariants
 //!
@@ -45,7 +50,9 @@ use prost::Message;
 use tapline_proto::{Record, RecordKind};
 
 const MAGIC: [u8; 4] = *b"TLSP";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// The oldest file version still read.
+const OLDEST_VERSION: u8 = 1;
 const HEADER: [u8; 8] = [b'T', b'L', b'S', b'P', VERSION, 0, 0, 0];
 /// Bytes of a frame before its payload.
 pub const FRAME_OVERHEAD: u64 = 8;
@@ -137,11 +144,20 @@ fn parse_name(path: &Path) -> Option<(u64, &str)> {
     Some((u64::from_str_radix(stem, 16).ok()?, ext))
 }
 
+/// What the records of a spool file still need before they go into a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// `LlmCall` records are as captured: complete them ([`crate::rebuild::complete`]).
+    AsCaptured,
+    /// Records are complete (files of format version 1).
+    Completed,
+}
+
 /// Reads the frames of a spool file. Returns the records, the offset after the last good
 /// frame, and whether anything followed it (a torn or corrupted tail).
 fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
     let mut records = Vec::new();
-    let (good, damaged) = visit_frames(path, |record| {
+    let (good, damaged) = visit_frames(path, |record, _| {
         records.push(record);
         Ok(())
     })?;
@@ -153,7 +169,7 @@ fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
 /// and whether anything followed it (a torn or corrupted tail).
 fn visit_frames(
     path: &Path,
-    mut each: impl FnMut(Record) -> io::Result<()>,
+    mut each: impl FnMut(Record, Stored) -> io::Result<()>,
 ) -> io::Result<(u64, bool)> {
     let mut reader = BufReader::new(File::open(path)?);
     let mut header = [0u8; 8];
@@ -165,9 +181,17 @@ fn visit_frames(
         }
         got += n;
     }
-    if got < header.len() || header[..4] != MAGIC || header[4] != VERSION {
+    if got < header.len()
+        || header[..4] != MAGIC
+        || !(OLDEST_VERSION..=VERSION).contains(&header[4])
+    {
         return Ok((0, got > 0));
     }
+    let stored = if header[4] >= 2 {
+        Stored::AsCaptured
+    } else {
+        Stored::Completed
+    };
     let mut good = HEADER.len() as u64;
     let mut payload = Vec::new();
     loop {
@@ -196,23 +220,24 @@ fn visit_frames(
             return Ok((good, true));
         }
         match Record::decode(payload.as_slice()) {
-            Ok(record) => each(record)?,
+            Ok(record) => each(record, stored)?,
             Err(_) => return Ok((good, true)),
         }
         good += FRAME_OVERHEAD + u64::from(len);
     }
 }
 
-/// Hands every record of a sealed file to `each`, in order; an error if the file fails
-/// any check (after the records before the damage were handed over).
+/// Hands every record of a sealed file to `each`, in order, with what it still needs;
+/// an error if the file fails any check (after the records before the damage were
+/// handed over).
 pub fn for_each_sealed(
     path: &Path,
-    mut each: impl FnMut(Record) -> io::Result<()>,
+    mut each: impl FnMut(Record, Stored) -> io::Result<()>,
 ) -> io::Result<()> {
     let mut records = 0u64;
-    let (_, damaged) = visit_frames(path, |record| {
+    let (_, damaged) = visit_frames(path, |record, stored| {
         records += 1;
-        each(record)
+        each(record, stored)
     })?;
     if damaged {
         return Err(io::Error::new(
@@ -226,10 +251,11 @@ pub fn for_each_sealed(
     Ok(())
 }
 
-/// Reads every record of a sealed file; an error if the file fails any check.
+/// Reads every record of a sealed file as stored (see [`Stored`]); an error if the file
+/// fails any check.
 pub fn read_sealed(path: &Path) -> io::Result<Vec<Record>> {
     let mut records = Vec::new();
-    for_each_sealed(path, |record| {
+    for_each_sealed(path, |record, _| {
         records.push(record);
         Ok(())
     })?;
