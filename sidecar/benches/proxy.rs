@@ -5,10 +5,11 @@
 //! then measures the same workloads direct-to-upstream and through the sidecar, in the
 //! same run:
 //! - closed loop at 1, 64 and 512 concurrent clients (keep-alive connections), JSON and
-//!   SSE responses, and a long (2,002-chunk) stream at 1 and 64 clients: latency
-//!   percentiles and requests per second;
+//!   SSE responses: latency percentiles and requests per second;
 //! - open loop at a fixed 1,000 requests per second: p50/p99 added latency;
-//! - the sidecar's peak resident memory (VmHWM).
+//! - the sidecar's peak resident memory (VmHWM);
+//! - last, long streams (2,002 chunks, 320 KB) at 1 and 64 clients, and the peak memory
+//!   after them.
 //!
 //! `cargo bench -p tapline-sidecar --bench proxy` (add `-- --quick` for a short run, and
 //! `--mode json|sse|paced|long`, repeatable, to run only those workloads;
@@ -372,6 +373,33 @@ fn signed_us(a: Duration, b: Duration) -> String {
     format!("{:+.0} µs", (a.as_secs_f64() - b.as_secs_f64()) * 1e6)
 }
 
+/// Warms both paths, then measures `total` calls direct and through the sidecar, and
+/// prints one table row.
+async fn closed_pair(
+    up: SocketAddr,
+    sidecar: SocketAddr,
+    stream: Mode,
+    clients: usize,
+    total: usize,
+) {
+    closed_loop(up, clients, clients * 2, stream).await;
+    closed_loop(sidecar, clients, clients * 2, stream).await;
+    let direct = summary(closed_loop(up, clients, total, stream).await);
+    let through = summary(closed_loop(sidecar, clients, total, stream).await);
+    println!(
+        "| {} | {clients} | {} | {} | {} | {} | {} | {} | {:.0} | {:.0} |",
+        stream.name(),
+        us(direct.0),
+        us(direct.1),
+        us(through.0),
+        us(through.1),
+        signed_us(through.0, direct.0),
+        signed_us(through.1, direct.1),
+        direct.2,
+        through.2,
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -401,27 +429,10 @@ fn main() {
         println!("closed loop: latency to the last body byte, direct vs through the sidecar");
         println!("| mode | clients | direct p50 | direct p99 | sidecar p50 | sidecar p99 | added p50 | added p99 | direct req/s | sidecar req/s |");
         println!("|---|---|---|---|---|---|---|---|---|---|");
-        for stream in [Mode::Json, Mode::Sse, Mode::SseLong].into_iter().filter(|m| wanted(*m)) {
-            // A long stream is 320 KB: one client and fewer calls show what it adds.
-            let (client_counts, one_client_calls): (&[usize], usize) = if stream == Mode::SseLong {
-                (&[1, 64], 100)
-            } else {
-                (&[1, 64, 512], 500)
-            };
-            for &clients in client_counts {
-                let total = (if clients == 1 { one_client_calls } else if stream == Mode::SseLong { 500 } else { 2_000 }) * scale;
-                // Warm both paths, then alternate the measured runs.
-                closed_loop(up, clients, clients * 2, stream).await;
-                closed_loop(sidecar.addr, clients, clients * 2, stream).await;
-                let direct = summary(closed_loop(up, clients, total, stream).await);
-                let through = summary(closed_loop(sidecar.addr, clients, total, stream).await);
-                println!(
-                    "| {} | {clients} | {} | {} | {} | {} | {} | {} | {:.0} | {:.0} |",
-                    stream.name(),
-                    us(direct.0), us(direct.1), us(through.0), us(through.1),
-                    signed_us(through.0, direct.0), signed_us(through.1, direct.1),
-                    direct.2, through.2,
-                );
+        for stream in [Mode::Json, Mode::Sse].into_iter().filter(|m| wanted(*m)) {
+            for clients in [1usize, 64, 512] {
+                let total = (if clients == 1 { 500 } else { 2_000 }) * scale;
+                closed_pair(up, sidecar.addr, stream, clients, total).await;
             }
         }
         println!();
@@ -461,5 +472,17 @@ fn main() {
         }
         println!();
         println!("sidecar peak resident memory (VmHWM): {:.1} MiB", sidecar.peak_rss_kib() as f64 / 1024.0);
+        if wanted(Mode::SseLong) {
+            // Last: each call records 320 KB, and building the segments of hundreds of
+            // them keeps a core busy for seconds, which would skew what runs after.
+            println!();
+            println!("closed loop, long streams (2,002 chunks, 320 KB, sent at once)");
+            println!("| mode | clients | direct p50 | direct p99 | sidecar p50 | sidecar p99 | added p50 | added p99 | direct req/s | sidecar req/s |");
+            println!("|---|---|---|---|---|---|---|---|---|---|");
+            closed_pair(up, sidecar.addr, Mode::SseLong, 1, 100 * scale).await;
+            closed_pair(up, sidecar.addr, Mode::SseLong, 64, 160 * scale).await;
+            println!();
+            println!("sidecar peak resident memory after 64 concurrent long streams (VmHWM): {:.1} MiB", sidecar.peak_rss_kib() as f64 / 1024.0);
+        }
     });
 }

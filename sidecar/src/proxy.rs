@@ -364,7 +364,7 @@ impl Capture {
         call.response_body_size = self.body_size;
         call.response_body = std::mem::take(&mut self.body);
         // The live count by outcome goes by transport and status; an error reported
-        // inside a 2xx body is counted when the segment is built (`stream_errors`).
+        // inside a 2xx body is counted when the segment is built (`body_errors`).
         let outcome = match call.outcome() {
             Outcome::Ok if !(200..300).contains(&call.http_status) => Outcome::UpstreamError,
             other => other,
