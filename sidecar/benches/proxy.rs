@@ -148,13 +148,13 @@ impl SidecarProcess {
             .unwrap()
             .port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        // TAPLINE_BENCH_SIDECAR runs another build (say, of the previous commit) instead.
+        let binary = std::env::var_os("TAPLINE_BENCH_SIDECAR")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_tapline-sidecar").into());
         #[allow(
             clippy::zombie_processes,
             reason = "Drop kills and waits for the child"
         )]
-        // TAPLINE_BENCH_SIDECAR runs another build (say, of the previous commit) instead.
-        let binary = std::env::var_os("TAPLINE_BENCH_SIDECAR")
-            .unwrap_or_else(|| env!("CARGO_BIN_EXE_tapline-sidecar").into());
         let child = Command::new(binary)
             .args([
                 "--listen",
