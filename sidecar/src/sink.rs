@@ -316,6 +316,9 @@ impl RecordSink for Recorder {
                     if end || segment_full(&spool, &self.options) {
                         seal(&mut spool, shared);
                     }
+                    // The spool gauges (health, /metrics) count this record now, not at
+                    // the writer thread's next turn (up to 50 ms later).
+                    shared.publish_gauges(&spool);
                     return Ack::ready(Ok(()));
                 }
                 Err(AppendError::Full { used, max })
@@ -728,6 +731,38 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[tokio::test]
+    async fn spool_gauges_count_a_record_as_soon_as_submit_returns() {
+        // Regression: the gauges were published only by the writer thread's next turn,
+        // so /tapline/v1/health could report a record fewer than the spool held.
+        let dir = tempfile::tempdir().unwrap();
+        let store = tapline_proto::store::open_store("memory://test").unwrap();
+        let options = RecorderOptions {
+            sidecar_id: "s".into(),
+            spool_dir: dir.path().to_owned(),
+            spool_max_bytes: 1 << 30,
+            full_policy: FullPolicy::Drop,
+            segment_max_bytes: 1 << 30,
+            segment_max_records: 1 << 20,
+            segment_max_age: Duration::from_secs(3600),
+            fsync_interval: Duration::from_secs(3600),
+            zstd_level: 3,
+            queue_capacity: 16,
+        };
+        let metrics = Arc::new(Metrics::default());
+        let (recorder, _) = Recorder::start(store, options, metrics.clone()).unwrap();
+        for i in 1..=3u64 {
+            recorder
+                .submit(RecordKind::LlmCall(captured_call()))
+                .await
+                .unwrap();
+            assert_eq!(metrics.spool_records.load(Ordering::Relaxed), i);
+            assert!(metrics.spool_bytes.load(Ordering::Relaxed) > 8);
+            assert!(metrics.oldest_unacked_nanos.load(Ordering::Relaxed) > 0);
+        }
+        recorder.shutdown(Duration::from_secs(5)).await;
     }
 
     #[test]
