@@ -8,7 +8,7 @@
 //!   SSE responses: latency percentiles and requests per second;
 //! - open loop at a fixed 1,000 requests per second: p50/p99 added latency;
 //! - the sidecar's peak resident memory (VmHWM);
-//! - last, long streams (2,002 chunks, 320 KB) at 1 and 64 clients, and the peak memory
+//! - last, long streams (2,001 chunks, 320 KB) at 1 and 64 clients, and the peak memory
 //!   after them.
 //!
 //! `cargo bench -p tapline-sidecar --bench proxy` (add `-- --quick` for a short run, and
@@ -29,8 +29,10 @@ use hyper_util::rt::TokioIo;
 
 const JSON_BODY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog."},"finish_reason":"stop"}],"usage":{"prompt_tokens":50,"completion_tokens":30,"total_tokens":80}}"#;
 
-fn sse_chunks() -> Vec<Bytes> {
-    let mut chunks: Vec<Bytes> = (0..20)
+/// An answer streamed as `content` chunks, then one chunk with the finish reason and
+/// `[DONE]`: `content + 1` chunks in all.
+fn sse_chunks(content: usize) -> Vec<Bytes> {
+    let mut chunks: Vec<Bytes> = (0..content)
         .map(|i| {
             Bytes::from(format!(
                 "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
@@ -41,24 +43,11 @@ fn sse_chunks() -> Vec<Bytes> {
     chunks
 }
 
-/// A long answer: 2,000 content chunks, then the final chunk and `[DONE]`.
-fn long_chunks() -> Vec<Bytes> {
-    let mut chunks: Vec<Bytes> = (0..2_000)
-        .map(|i| {
-            Bytes::from(format!(
-                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"bench\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
-            ))
-        })
-        .collect();
-    chunks.extend(sse_chunks().pop());
-    chunks
-}
-
 async fn upstream() -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let chunks = Arc::new(sse_chunks());
-    let long = Arc::new(long_chunks());
+    let chunks = Arc::new(sse_chunks(20));
+    let long = Arc::new(sse_chunks(2_000));
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
@@ -264,7 +253,7 @@ enum Mode {
     Sse,
     /// The same stream with 1 ms between chunks.
     SsePaced,
-    /// A long answer: 2,002 chunks (320 KB) sent at once.
+    /// A long answer: 2,001 chunks (320 KB) sent at once.
     SseLong,
 }
 
@@ -274,7 +263,7 @@ impl Mode {
             Mode::Json => "json",
             Mode::Sse => "sse burst",
             Mode::SsePaced => "sse 1 chunk/ms",
-            Mode::SseLong => "sse 2,002 chunks",
+            Mode::SseLong => "sse 2,001 chunks",
         }
     }
 }
@@ -476,7 +465,7 @@ fn main() {
             // Last: each call records 320 KB, and building the segments of hundreds of
             // them keeps a core busy for seconds, which would skew what runs after.
             println!();
-            println!("closed loop, long streams (2,002 chunks, 320 KB, sent at once)");
+            println!("closed loop, long streams (2,001 chunks, 320 KB, sent at once)");
             println!("| mode | clients | direct p50 | direct p99 | sidecar p50 | sidecar p99 | added p50 | added p99 | direct req/s | sidecar req/s |");
             println!("|---|---|---|---|---|---|---|---|---|---|");
             closed_pair(up, sidecar.addr, Mode::SseLong, 1, 100 * scale).await;

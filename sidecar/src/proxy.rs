@@ -35,6 +35,7 @@ use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
 
 use crate::config::{NEVER_RECORDED, UpstreamKind};
 use crate::episodes::{Hints, valid_episode_id};
+use crate::rebuild;
 use crate::server::AppState;
 use crate::sink::{Dropped, now_nanos};
 use crate::upstream::{SendError, UpstreamBody};
@@ -365,11 +366,9 @@ impl Capture {
         call.response_body = std::mem::take(&mut self.body);
         // The live count by outcome goes by transport and status; an error reported
         // inside a 2xx body is counted when the segment is built (`body_errors`).
-        let outcome = match call.outcome() {
-            Outcome::Ok if !(200..300).contains(&call.http_status) => Outcome::UpstreamError,
-            other => other,
-        };
-        self.state.metrics.outcome(outcome);
+        self.state
+            .metrics
+            .outcome(rebuild::by_status(call.outcome(), call.http_status));
         let episode_id = call.episode_id.clone();
         let ack = self.state.sink.submit(RecordKind::LlmCall(self.call));
         let state = self.state;

@@ -146,12 +146,18 @@ pub fn complete(call: &mut LlmCall) -> Completed {
     if call.policy_version.is_empty() {
         call.policy_version = call.response_model.clone();
     }
-    if call.outcome() == Outcome::Ok && !(200..300).contains(&call.http_status) {
-        call.outcome = Outcome::UpstreamError as i32;
-    }
+    call.outcome = by_status(call.outcome(), call.http_status) as i32;
     Completed {
         warned: !call.capture_warnings.is_empty(),
         body_error,
+    }
+}
+
+/// A call that ended `ok` in transport but with a non-2xx status is an `upstream_error`.
+pub fn by_status(outcome: Outcome, http_status: u32) -> Outcome {
+    match outcome {
+        Outcome::Ok if !(200..300).contains(&http_status) => Outcome::UpstreamError,
+        other => other,
     }
 }
 
