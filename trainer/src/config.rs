@@ -63,7 +63,15 @@
 //! logprob_chunk = 1024         # rows of [rows, vocab] fp32 logits at once
 //! recompute = false            # recompute layers in the backward pass
 //! dtype = "auto"               # fp32 on CPU, bf16 on CUDA; or float32 / bfloat16
+//!                              # (non-fp32 weights get fp32 master copies in the optimizer)
 //! seed = 0
+//!
+//! # [train.lora]               # present: train a LoRA adapter, not every weight
+//! # rank = 16
+//! # alpha = 32.0               # the adapter's output is scaled by alpha / rank
+//! # dropout = 0.0              # only 0 is supported
+//! # target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+//! # use_rslora = false         # scale by alpha / sqrt(rank) instead
 //! ```
 
 use std::path::Path;

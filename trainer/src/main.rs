@@ -7,7 +7,13 @@
 //! - `train --store URL --model DIR --out DIR [--device cpu|cuda]`: the same, then the
 //!   policy-gradient update with libtorch, an HF checkpoint in `--out`, `manifest.json`
 //!   and `chart.png`; the cursor advances only once the checkpoint is complete.
-//! - `score --model DIR`: reads `{"ids": [...]}` on stdin and prints
+//!   With `[train.lora]` in the config (or `--adapter DIR`) it trains a LoRA adapter and
+//!   writes a PEFT adapter directory instead; the optimizer state (fp32 moments and
+//!   masters) is saved beside either and resumed from `--resume DIR`, `--adapter DIR`
+//!   or the `--model` directory when it is there.
+//! - `merge-lora --model BASE --adapter DIR --out DIR`: the adapter folded into the base
+//!   weights, as a full HF checkpoint.
+//! - `score --model DIR [--adapter DIR]`: reads `{"ids": [...]}` on stdin and prints
 //!   `{"logprobs": [...]}` through the model code the update uses.
 //! - `tokenize --model DIR`: reads one chat request as JSON on stdin and prints
 //!   `{"ids": [...]}`, the prompt ids `prepare` would use for it.
@@ -42,6 +48,9 @@ enum Command {
     Train(TrainArgs),
     /// `{"ids": [...]}` on stdin → `{"logprobs": [...]}` of each token after the first.
     Score(ScoreArgs),
+    /// A LoRA adapter merged into its base model → a full HF checkpoint (for servers
+    /// that do not take adapters).
+    MergeLora(MergeArgs),
     /// Update throughput (tokens/s, MFU) on random weights of a real model's shape.
     BenchUpdate(BenchArgs),
     /// Line chart PNG from JSON on stdin: `{"panels": [{"title", "x_label",
@@ -144,6 +153,21 @@ struct TrainArgs {
     /// Seed of the update (config `train.seed`).
     #[arg(long)]
     seed: Option<u64>,
+    /// Training dtype: auto (fp32 on CPU, bf16 on CUDA), float32 or bfloat16 (config
+    /// `train.dtype`).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Continue an earlier run: its output directory (a full checkpoint, or a LoRA
+    /// adapter) gives the weights and the optimizer state, which must be there.
+    #[arg(long, conflicts_with = "adapter")]
+    resume: Option<PathBuf>,
+    /// Train this LoRA adapter (a PEFT directory) on top of `--model`; its optimizer
+    /// state is resumed when present.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    /// Start with a new optimizer state even when the weights come with one.
+    #[arg(long)]
+    fresh_optimizer: bool,
 }
 
 #[derive(Args)]
@@ -157,11 +181,32 @@ struct ScoreArgs {
     /// auto (fp32 on CPU, bf16 on CUDA), float32 or bfloat16.
     #[arg(long, default_value = "auto")]
     dtype: String,
+    /// A LoRA adapter (PEFT directory) to apply on top of the model.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct MergeArgs {
+    /// The base model directory (config.json, safetensors, tokenizer).
+    #[arg(long)]
+    model: PathBuf,
+    /// The adapter (PEFT directory: adapter_config.json, adapter_model.safetensors).
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Output directory for the merged checkpoint.
+    #[arg(long)]
+    out: PathBuf,
+    /// dtype of the merged weights: float32 or bfloat16 [default: the dtype the base
+    /// model's config.json declares, else float32].
+    #[arg(long)]
+    dtype: Option<String>,
 }
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Model shape: tiny, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b.
+    /// Model shape: tiny, smollm2-135m, qwen2.5-0.5b, qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b,
+    /// qwen2.5-7b, qwen3-8b.
     #[arg(long, default_value = "qwen2.5-0.5b")]
     preset: String,
     /// Device: cpu, cuda or cuda:N.
@@ -188,6 +233,12 @@ struct BenchArgs {
     /// Peak FLOP/s of the device in TFLOP/s, for MFU (known GPUs are looked up by name).
     #[arg(long)]
     peak_tflops: Option<f64>,
+    /// Train a LoRA adapter (all seven projections) instead of every weight.
+    #[arg(long)]
+    lora: bool,
+    /// Rank of the adapter with `--lora`.
+    #[arg(long, default_value_t = 16)]
+    lora_rank: i64,
 }
 
 #[derive(Args)]
@@ -227,6 +278,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prepare(args) => prepare(args),
         Command::Train(args) => train(args),
         Command::Score(args) => score(&args),
+        Command::MergeLora(args) => merge_lora(&args),
         Command::BenchUpdate(args) => bench_update(&args),
         Command::Plot(args) => plot(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
@@ -391,6 +443,93 @@ fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
     loaded.advance_cursor()
 }
 
+/// Where a training run's weights and optimizer state come from.
+struct Start {
+    /// The model (a full fine-tune from `--resume`, or `--model`), LoRA attached.
+    model: Transformer,
+    /// The directory of the base weights.
+    weights_dir: PathBuf,
+    /// The LoRA settings, when training an adapter.
+    lora: Option<nn::lora::LoraOptions>,
+    /// The adapter trained from, if any.
+    adapter_from: Option<PathBuf>,
+    /// Where the optimizer state and the global step are looked for.
+    state_dir: Option<PathBuf>,
+}
+
+fn load_start(
+    args: &TrainArgs,
+    options: &nn::train::TrainOptions,
+    device: tch::Device,
+    kind: tch::Kind,
+) -> anyhow::Result<Start> {
+    use nn::lora;
+    let model_dir = &args.prepare.model.model;
+    let resume_adapter = args.resume.as_ref().filter(|d| lora::is_adapter_dir(d));
+    let adapter_from = args.adapter.clone().or_else(|| resume_adapter.cloned());
+    let is_lora = options.lora.is_some() || adapter_from.is_some();
+    if let Some(dir) = &args.resume {
+        anyhow::ensure!(
+            dir.is_dir(),
+            "--resume {}: not a directory (the --out of an earlier run)",
+            dir.display()
+        );
+        anyhow::ensure!(
+            is_lora || !lora::is_adapter_dir(dir),
+            "--resume {} is a LoRA adapter",
+            dir.display()
+        );
+        anyhow::ensure!(
+            !(is_lora && resume_adapter.is_none()),
+            "--resume {} holds a full checkpoint, but the config's [train.lora] asks for a LoRA run: resume a run's adapter directory, or remove [train.lora]",
+            dir.display()
+        );
+    }
+    let weights_dir = match (&args.resume, is_lora) {
+        (Some(dir), false) => dir.clone(),
+        _ => model_dir.clone(),
+    };
+    anyhow::ensure!(
+        !lora::is_adapter_dir(&weights_dir),
+        "{} is a LoRA adapter, not a model: pass the base model as --model and the adapter as --adapter",
+        weights_dir.display()
+    );
+    let mut model = Transformer::load(&weights_dir, device, kind)
+        .with_context(|| format!("load the model from {}", weights_dir.display()))?;
+    let lora = if let Some(dir) = &adapter_from {
+        let found = lora::load(&mut model, dir)
+            .with_context(|| format!("load the adapter to train from {}", dir.display()))?;
+        if let Some(wanted) = &options.lora {
+            anyhow::ensure!(
+                *wanted == found,
+                "the config's [train.lora] ({wanted:?}) differs from the adapter in {} ({found:?}): remove [train.lora] to continue that adapter, or drop --adapter to start a new one",
+                dir.display()
+            );
+        }
+        found
+            .validate()
+            .map_err(|e| anyhow::anyhow!("adapter {}: {e}", dir.display()))?;
+        Some(found)
+    } else if let Some(wanted) = &options.lora {
+        lora::attach_new(&mut model, wanted, options.seed);
+        Some(wanted.clone())
+    } else {
+        None
+    };
+    let state_dir = match (&lora, &adapter_from) {
+        (Some(_), Some(dir)) => Some(dir.clone()),
+        (Some(_), None) => None,
+        (None, _) => Some(weights_dir.clone()),
+    };
+    Ok(Start {
+        model,
+        weights_dir,
+        lora,
+        adapter_from,
+        state_dir,
+    })
+}
+
 fn train(args: TrainArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let started_unix_secs = std::time::SystemTime::now()
@@ -410,6 +549,9 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         if let Some(s) = args.seed {
             c.train.seed = s;
         }
+        if let Some(d) = &args.dtype {
+            c.train.dtype = d.clone();
+        }
     })?;
     print!("{}", loaded.prepared.report.table());
     let options = &loaded.config.train;
@@ -417,19 +559,67 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let model_dir = args.prepare.model.model.clone();
 
     let load_started = Instant::now();
-    let mut model = Transformer::load(&model_dir, device, kind)
-        .with_context(|| format!("load the model from {}", model_dir.display()))?;
+    let Start {
+        mut model,
+        weights_dir,
+        lora,
+        adapter_from,
+        state_dir,
+    } = load_start(&args, options, device, kind)?;
+    let mut optimizer = options.optimizer(&mut model);
+    let resumed = match &state_dir {
+        Some(dir) if !args.fresh_optimizer && nn::optim::has_state(dir) => {
+            let info = optimizer.load_state(dir).with_context(|| {
+                format!("resume the optimizer state in {}", dir.display())
+            })?;
+            Some(serde_json::json!({
+                "from": dir.display().to_string(),
+                "optimizer_step": info.step,
+                "optimizer_sha256": info.tensors_sha256,
+            }))
+        }
+        _ => None,
+    };
+    if let Some(dir) = &args.resume
+        && resumed.is_none()
+    {
+        anyhow::bail!(
+            "--resume {}: no optimizer state there ({} and {}); it was written by an older trainer or with another mode. Train from it with --model/--adapter and --fresh-optimizer instead",
+            dir.display(),
+            nn::optim::STATE_INFO,
+            nn::optim::STATE_TENSORS
+        );
+    }
     let load_model = load_started.elapsed().as_secs_f64();
-    let first_step = checkpoint::global_step(&model_dir);
+    let first_step = state_dir.as_deref().map_or(0, checkpoint::global_step);
     let steps = loaded.prepared.mini_batches.len() * options.epochs as usize;
+    let trainable: usize = model
+        .trainable_parameters()
+        .iter()
+        .map(|(_, t)| t.numel())
+        .sum();
     println!(
-        "train: {} {} ({:.0}M parameters) on {} in {:?}, {} step(s) from global step {first_step}",
+        "train: {} {} ({:.0}M parameters{}) on {} in {:?}, {} step(s) from global step {first_step}{}",
         model.config.arch.name(),
-        model_dir.display(),
+        weights_dir.display(),
         model.config.parameters() as f64 / 1e6,
+        match &lora {
+            Some(l) => format!(
+                ", LoRA r {} alpha {} on {}: {:.2}M trainable",
+                l.rank,
+                l.alpha,
+                l.target_modules.join(" "),
+                trainable as f64 / 1e6
+            ),
+            None => String::new(),
+        },
         args.device,
         kind,
         steps,
+        match &resumed {
+            Some(r) => format!(", optimizer state resumed from {}", r["from"].as_str().unwrap_or("")),
+            None => String::new(),
+        },
     );
     let bar = indicatif::ProgressBar::new(steps as u64).with_style(
         indicatif::ProgressStyle::with_template(
@@ -441,6 +631,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let mut done = 0;
     let result = nn::train::train(
         &mut model,
+        &mut optimizer,
         &loaded.prepared.mini_batches,
         options,
         first_step,
@@ -455,7 +646,33 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
 
     let ckpt_started = Instant::now();
     let global_step = first_step + result.steps.len() as u64;
-    let sha256 = checkpoint::save(&model, &model_dir, &out, global_step)?;
+    let checkpoint_info = match &lora {
+        None => {
+            let sha256 = checkpoint::save(&model, &weights_dir, &out, global_step)?;
+            serde_json::json!({
+                "dir": out.display().to_string(),
+                "model_safetensors_sha256": sha256,
+                "global_step": global_step,
+            })
+        }
+        Some(l) => {
+            let base = std::fs::canonicalize(&model_dir).unwrap_or_else(|_| model_dir.clone());
+            let sha256 = nn::lora::save(&model, l, &base.display().to_string(), &out)?;
+            checkpoint::copy_model_files(&model_dir, &out)?;
+            checkpoint::write_trainer_state(&out, global_step)?;
+            serde_json::json!({
+                "dir": out.display().to_string(),
+                "adapter_model_safetensors_sha256": sha256,
+                "global_step": global_step,
+            })
+        }
+    };
+    let state = optimizer
+        .save_state(&out)
+        .with_context(|| format!("save the optimizer state in {}", out.display()))?;
+    let mut checkpoint_info = checkpoint_info;
+    checkpoint_info["optimizer_sha256"] = serde_json::json!(state.tensors_sha256);
+    checkpoint_info["optimizer_step"] = serde_json::json!(state.step);
     let checkpoint_seconds = ckpt_started.elapsed().as_secs_f64();
     nn::manifest::write_chart(
         &out.join("chart.png"),
@@ -473,12 +690,16 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         started_unix_secs,
         config: serde_json::to_value(&loaded.config)?,
         seed: options.seed,
+        mode: if lora.is_some() { "lora" } else { "full" },
+        resumed,
         model: serde_json::json!({
-            "dir": model_dir.display().to_string(),
+            "dir": weights_dir.display().to_string(),
             "arch": model.config.arch.name(),
             "parameters": model.config.parameters(),
+            "trainable_parameters": trainable,
             "layers": model.config.num_hidden_layers,
             "global_step_before": first_step,
+            "adapter_from": adapter_from.as_ref().map(|d| d.display().to_string()),
         }),
         store: loaded.location.display.clone(),
         run: loaded.run.clone(),
@@ -512,11 +733,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
                 checkpoint: checkpoint_seconds,
             },
         },
-        checkpoint: serde_json::json!({
-            "dir": out.display().to_string(),
-            "model_safetensors_sha256": sha256,
-            "global_step": global_step,
-        }),
+        checkpoint: checkpoint_info,
     };
     manifest
         .write(&out)
@@ -530,6 +747,51 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         wall,
         result.seconds,
         out.display()
+    );
+    Ok(())
+}
+
+fn merge_lora(args: &MergeArgs) -> anyhow::Result<()> {
+    let config = nn::TransformerConfig::load(&args.model)?;
+    let dtype = args
+        .dtype
+        .clone()
+        .or(config.dtype.clone())
+        .unwrap_or_else(|| "float32".into());
+    let kind = match dtype.as_str() {
+        "float32" | "fp32" => tch::Kind::Float,
+        "bfloat16" | "bf16" => tch::Kind::BFloat16,
+        "float16" | "fp16" => tch::Kind::Half,
+        other => anyhow::bail!("dtype {other:?}: expected float32, bfloat16 or float16"),
+    };
+    checkpoint::prepare_dir(&args.out)?;
+    let (mut model, lora) =
+        nn::lora::load_with_adapter(&args.model, &args.adapter, tch::Device::Cpu, kind)?;
+    model.merge_lora();
+    let global_step = checkpoint::global_step(&args.adapter);
+    let sha256 = checkpoint::save(&model, &args.model, &args.out, global_step)?;
+    let adapter_bytes = std::fs::read(args.adapter.join(nn::lora::ADAPTER_WEIGHTS))?;
+    let manifest = serde_json::json!({
+        "format": "tapline.merge_lora.v1",
+        "tapline_version": env!("CARGO_PKG_VERSION"),
+        "git_commit": nn::manifest::GIT_COMMIT,
+        "base_model": args.model.display().to_string(),
+        "adapter": args.adapter.display().to_string(),
+        "adapter_model_safetensors_sha256": ingest::sha256_hex(&adapter_bytes),
+        "lora": lora,
+        "dtype": format!("{kind:?}"),
+        "model_safetensors_sha256": sha256,
+    });
+    let tmp = args.out.join("manifest.json.partial");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&manifest)?)?;
+    std::fs::rename(&tmp, args.out.join("manifest.json"))?;
+    println!(
+        "merge-lora: {} + {} (r {}, alpha {}) -> {} ({kind:?})",
+        args.model.display(),
+        args.adapter.display(),
+        lora.rank,
+        lora.alpha,
+        args.out.display()
     );
     Ok(())
 }
@@ -555,8 +817,15 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("ids[{i}] = {v} is not a token id"))
         })
         .collect::<anyhow::Result<_>>()?;
-    let model = Transformer::load(&args.model, device, kind)
-        .with_context(|| format!("load the model from {}", args.model.display()))?;
+    let model = match &args.adapter {
+        Some(adapter) => {
+            nn::lora::load_with_adapter(&args.model, adapter, device, kind)
+                .with_context(|| format!("apply the adapter {}", adapter.display()))?
+                .0
+        }
+        None => Transformer::load(&args.model, device, kind)
+            .with_context(|| format!("load the model from {}", args.model.display()))?,
+    };
     let logprobs = model
         .sequence_logprobs(&ids, 1024)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -574,11 +843,21 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
     );
     let options = nn::train::TrainOptions {
         recompute: args.recompute,
+        lora: args.lora.then(|| nn::lora::LoraOptions {
+            rank: args.lora_rank,
+            alpha: 2.0 * args.lora_rank as f64,
+            ..Default::default()
+        }),
         ..Default::default()
     };
     println!(
-        "bench-update: {} on {} ({kind:?}), {} x {} tokens per step, {} warmup + {} measured steps{}",
+        "bench-update: {} {} on {} ({kind:?}), {} x {} tokens per step, {} warmup + {} measured steps{}",
         args.preset,
+        if args.lora {
+            format!("LoRA r {}", args.lora_rank)
+        } else {
+            "full".into()
+        },
         nn::manifest::device_name(device),
         args.sequences,
         args.seq_len,
@@ -606,8 +885,9 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
     )
     .map_err(|e| anyhow::anyhow!(e))?;
     println!(
-        "bench-update: {:.0}M parameters, median {:.0} tokens/s, {:.1} TFLOP/s model FLOPs, MFU {}, peak RSS {:.2} GiB",
+        "bench-update: {:.0}M parameters ({:.2}M trainable), median {:.0} tokens/s, {:.1} TFLOP/s model FLOPs, MFU {}, peak RSS {:.2} GiB, {:.1} bytes/parameter",
         result.parameters as f64 / 1e6,
+        result.trainable_parameters as f64 / 1e6,
         result.tokens_per_second,
         result.model_flops / 1e12,
         result.mfu.map_or(
@@ -615,6 +895,7 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
             |m| format!("{:.1}%", m * 100.0)
         ),
         result.peak_rss_bytes as f64 / (1u64 << 30) as f64,
+        result.bytes_per_parameter,
     );
     println!("{}", serde_json::to_string(&result)?);
     Ok(())

@@ -317,8 +317,10 @@ fn a_step_raises_positive_and_lowers_negative_advantage_tokens() {
         lr: 1e-3,
         ..TrainOptions::default()
     };
+    let mut optimizer = options.optimizer(&mut model);
     let result = train::train(
         &mut model,
+        &mut optimizer,
         &[mini(vec![good.clone(), bad.clone()])],
         &options,
         0,
@@ -355,7 +357,16 @@ fn a_checkpoint_reloads_in_transformers_with_equal_log_probs() {
             lr: 1e-2,
             ..TrainOptions::default()
         };
-        train::train(&mut model, &[mini(vec![s.clone()])], &options, 4, |_| {}).unwrap();
+        let mut optimizer = options.optimizer(&mut model);
+        train::train(
+            &mut model,
+            &mut optimizer,
+            &[mini(vec![s.clone()])],
+            &options,
+            4,
+            |_| {},
+        )
+        .unwrap();
         let out = tempfile::tempdir().unwrap();
         let sha = checkpoint::save(&model, dir.path(), out.path(), 5).unwrap();
         assert_eq!(sha.len(), 64);

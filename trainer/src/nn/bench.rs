@@ -27,6 +27,8 @@ pub const PRESETS: &[&str] = &[
     "qwen3-0.6b",
     "qwen2.5-1.5b",
     "qwen3-1.7b",
+    "qwen2.5-7b",
+    "qwen3-8b",
 ];
 
 /// The configuration of a preset (the real models' `config.json` values).
@@ -50,6 +52,8 @@ pub fn preset(name: &str) -> Option<TransformerConfig> {
         "qwen3-0.6b" => (Arch::Qwen3, 151936, 1024, 3072, 28, 16, 8, 128, 1e6, true),
         "qwen2.5-1.5b" => (Arch::Qwen2, 151936, 1536, 8960, 28, 12, 2, 128, 1e6, true),
         "qwen3-1.7b" => (Arch::Qwen3, 151936, 2048, 6144, 28, 16, 8, 128, 1e6, true),
+        "qwen2.5-7b" => (Arch::Qwen2, 152064, 3584, 18944, 28, 28, 4, 128, 1e6, false),
+        "qwen3-8b" => (Arch::Qwen3, 151936, 4096, 12288, 36, 32, 8, 128, 1e6, false),
         _ => return None,
     };
     Some(TransformerConfig {
@@ -96,8 +100,10 @@ pub fn peak_flops(device_name: &str) -> Option<f64> {
         .map(|(_, v)| *v)
 }
 
-/// Model FLOPs to train one token of a `seq_len` sequence.
-pub fn flops_per_token(c: &TransformerConfig, seq_len: i64) -> f64 {
+/// Model FLOPs to train one token of a `seq_len` sequence. With `lora` the frozen
+/// weights get no weight gradient: `4·N` instead of `6·N` (the adapters' own FLOPs,
+/// under 1% at the ranks used, are not counted).
+pub fn flops_per_token(c: &TransformerConfig, seq_len: i64, lora: bool) -> f64 {
     // The embedding lookup costs nothing; the LM head is a matmul (with the embedding's
     // weights when tied, which `parameters` then counts once).
     let lookup = if c.tie_word_embeddings {
@@ -111,7 +117,7 @@ pub fn flops_per_token(c: &TransformerConfig, seq_len: i64) -> f64 {
         * c.num_attention_heads as f64
         * c.head_dim as f64
         * seq_len as f64;
-    6.0 * n + attention
+    (if lora { 4.0 } else { 6.0 }) * n + attention
 }
 
 /// What the benchmark measured.
@@ -139,6 +145,17 @@ pub struct BenchResult {
     pub mfu: Option<f64>,
     /// Peak resident memory of the process.
     pub peak_rss_bytes: u64,
+    /// Parameters the optimizer updates (the adapters under LoRA).
+    pub trainable_parameters: i64,
+    /// Bytes of optimizer state (fp32 moments, and fp32 masters of non-fp32 weights).
+    pub optimizer_state_bytes: u64,
+    /// `lora` or `full`.
+    pub mode: String,
+    /// Peak memory (GPU memory on CUDA when sampled, else the process's peak RSS) per
+    /// model parameter.
+    pub bytes_per_parameter: f64,
+    /// Peak GPU memory sampled with `nvidia-smi` (CUDA only).
+    pub gpu_peak_memory_bytes_sampled: Option<u64>,
 }
 
 /// Random sequences of `seq_len` tokens with loss on their second half.
@@ -218,19 +235,31 @@ pub fn run(
         )
     })?;
     let parameters = config.parameters();
-    let fpt = flops_per_token(&config, seq_len as i64);
+    let fpt = flops_per_token(&config, seq_len as i64, options.lora.is_some());
     let mut model = Transformer::random(config, device, kind, options.seed);
+    if let Some(lora) = &options.lora {
+        lora.validate()?;
+        super::lora::attach_new(&mut model, lora, options.seed);
+    }
+    let mut optimizer = options.optimizer(&mut model);
+    let trainable: i64 = model
+        .trainable_parameters()
+        .iter()
+        .map(|(_, t)| t.numel() as i64)
+        .sum();
     let batch = synthetic_batch(
         model.config.vocab_size,
         sequences,
         seq_len,
         options.seed + 1,
     );
+    let gpu_memory = super::manifest::GpuMemorySampler::start(device);
     let mut times = Vec::new();
     for i in 0..warmup + steps {
         let started = Instant::now();
         train::train(
             &mut model,
+            &mut optimizer,
             std::slice::from_ref(&batch),
             options,
             i as u64,
@@ -246,12 +275,14 @@ pub fn run(
             times.push(secs);
         }
     }
+    let gpu_peak = gpu_memory.finish();
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
     let tokens = (sequences * seq_len) as u64;
     let tps = tokens as f64 / median;
     let device_name = super::manifest::device_name(device);
+    let peak_rss = super::manifest::peak_rss_bytes();
     let peak = peak.or_else(|| peak_flops(&device_name).filter(|_| device.is_cuda()));
     Ok(BenchResult {
         preset: preset_name.into(),
@@ -264,6 +295,11 @@ pub fn run(
         flops_per_token: fpt,
         model_flops: tps * fpt,
         mfu: peak.map(|p| tps * fpt / p),
-        peak_rss_bytes: super::manifest::peak_rss_bytes(),
+        peak_rss_bytes: peak_rss,
+        trainable_parameters: trainable,
+        optimizer_state_bytes: optimizer.state_bytes(),
+        mode: if options.lora.is_some() { "lora" } else { "full" }.into(),
+        bytes_per_parameter: gpu_peak.unwrap_or(peak_rss) as f64 / parameters as f64,
+        gpu_peak_memory_bytes_sampled: gpu_peak,
     })
 }

@@ -120,6 +120,15 @@ pub fn save(
         serde_json::to_vec_pretty(&config).unwrap_or_default(),
     )
     .map_err(io(&config_out))?;
+    copy_model_files(source, out)?;
+    write_trainer_state(out, global_step)?;
+    let bytes = std::fs::read(&weights_path).map_err(io(&weights_path))?;
+    Ok(crate::ingest::sha256_hex(&bytes))
+}
+
+/// Copies the tokenizer, template and generation files ([`COPIED_FILES`]) that exist in
+/// `source` into `out`.
+pub fn copy_model_files(source: &Path, out: &Path) -> Result<(), CheckpointError> {
     for name in COPIED_FILES {
         let from = source.join(name);
         if from.is_file() {
@@ -127,13 +136,16 @@ pub fn save(
             std::fs::copy(&from, &to).map_err(io(&to))?;
         }
     }
+    Ok(())
+}
+
+/// Writes `out/trainer_state.json` with the global step.
+pub fn write_trainer_state(out: &Path, global_step: u64) -> Result<(), CheckpointError> {
     let state = out.join(TRAINER_STATE);
     std::fs::write(
         &state,
         serde_json::to_vec_pretty(&serde_json::json!({ "global_step": global_step }))
             .unwrap_or_default(),
     )
-    .map_err(io(&state))?;
-    let bytes = std::fs::read(&weights_path).map_err(io(&weights_path))?;
-    Ok(crate::ingest::sha256_hex(&bytes))
+    .map_err(io(&state))
 }

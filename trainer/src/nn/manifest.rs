@@ -85,6 +85,11 @@ pub struct RunManifest {
     pub config: Value,
     /// The seed of the update.
     pub seed: u64,
+    /// `full` (every weight) or `lora` (an adapter).
+    pub mode: &'static str,
+    /// The optimizer state resumed (`from`, `optimizer_step`, `optimizer_sha256`), or
+    /// `null` for a new one.
+    pub resumed: Option<Value>,
     /// Model trained from.
     pub model: Value,
     /// The store, as displayed (no credentials).

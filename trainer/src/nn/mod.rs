@@ -5,13 +5,16 @@
 //! - [`weights`] — safetensors in (single or sharded, checked) and out;
 //! - [`model`] — [`Transformer`]: Llama / Qwen2 / Qwen3 with HF's conventions;
 //! - [`loss`] — PPO / GSPO surrogate with dual clip, truncated IS and KL;
-//! - [`optim`] — AdamW with fp32 moments, schedules, clipping;
+//! - [`lora`] — LoRA adapters in PEFT's format (settings, directory, attach, merge);
+//! - [`optim`] — AdamW with fp32 moments and fp32 master weights, its saved state,
+//!   schedules, clipping;
 //! - [`train`] — mini-batches from the pipeline → optimizer steps, with metrics;
 //! - [`checkpoint`] — the HF directory a run writes.
 
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod lora;
 pub mod loss;
 pub mod manifest;
 pub mod model;

@@ -20,24 +20,95 @@ use super::weights::{Checkpoint, WeightsError};
 /// Gives the tensor of a name with a shape (from a checkpoint, or random).
 pub type TensorSource<'a> = dyn FnMut(&str, &[i64]) -> Result<Tensor, WeightsError> + 'a;
 
+/// A projection: the base weight (and bias), plus a LoRA adapter when one is attached.
+#[derive(Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    lora: Option<Lora>,
+}
+
+/// A LoRA adapter of one projection, as PEFT defines it: `y = W x + s · B (A x)` with
+/// `A` `[r, in]`, `B` `[out, r]` and `s = alpha / r` (`alpha / √r` with rsLoRA). The
+/// adapter keeps its own dtype (fp32): the input is cast to it and the sum cast back to
+/// the base output's dtype, as PEFT's `lora.Linear.forward` does.
+#[derive(Debug)]
+pub struct Lora {
+    /// `lora_A.weight`, `[r, in]`.
+    pub a: Tensor,
+    /// `lora_B.weight`, `[out, r]`.
+    pub b: Tensor,
+    /// `alpha / r` (or `alpha / √r`).
+    pub scaling: f64,
+}
+
+impl Linear {
+    fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear {
+            weight,
+            bias,
+            lora: None,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = x.linear(&self.weight, self.bias.as_ref());
+        match &self.lora {
+            None => y,
+            Some(l) => {
+                let kind = y.kind();
+                let delta = x
+                    .to_kind(l.a.kind())
+                    .linear::<Tensor>(&l.a, None)
+                    .linear::<Tensor>(&l.b, None)
+                    * l.scaling;
+                (delta + y).to_kind(kind)
+            }
+        }
+    }
+
+    /// `[out, in]`.
+    fn shape(&self) -> (i64, i64) {
+        let s = self.weight.size();
+        (s[0], s[1])
+    }
+}
+
+/// The projections a LoRA adapter can target, by PEFT's leaf names, with the module
+/// that holds them.
+pub const LORA_TARGETS: &[(&str, &str)] = &[
+    ("q_proj", "self_attn"),
+    ("k_proj", "self_attn"),
+    ("v_proj", "self_attn"),
+    ("o_proj", "self_attn"),
+    ("gate_proj", "mlp"),
+    ("up_proj", "mlp"),
+    ("down_proj", "mlp"),
+];
+
+/// PEFT's name of an adapter tensor: `base_model.model.model.layers.{layer}.{module}.{leaf}.lora_{A|B}.weight`.
+pub fn peft_lora_name(layer: usize, leaf: &str, which: char) -> String {
+    let module = LORA_TARGETS
+        .iter()
+        .find(|(l, _)| *l == leaf)
+        .map_or("self_attn", |(_, m)| *m);
+    format!("base_model.model.model.layers.{layer}.{module}.{leaf}.lora_{which}.weight")
+}
+
 /// One decoder layer's weights.
 #[derive(Debug)]
 pub struct Layer {
     input_layernorm: Tensor,
     post_attention_layernorm: Tensor,
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
-    q_bias: Option<Tensor>,
-    k_bias: Option<Tensor>,
-    v_bias: Option<Tensor>,
-    o_bias: Option<Tensor>,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
 }
 
 /// Keys and values of earlier positions, per layer (`[batch, kv_heads, positions, head_dim]`).
@@ -88,10 +159,6 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     let variance = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
     let normed = &xf * (variance + eps).rsqrt();
     weight * normed.to_kind(kind)
-}
-
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
-    x.linear(w, b)
 }
 
 /// `[b, kv, t, d]` → `[b, kv * n_rep, t, d]`, as transformers' `repeat_kv`.
@@ -166,19 +233,15 @@ impl Layer {
         Ok(Layer {
             input_layernorm: p("input_layernorm.weight", &[d])?,
             post_attention_layernorm: p("post_attention_layernorm.weight", &[d])?,
-            q_proj: p("self_attn.q_proj.weight", &[h * hd, d])?,
-            k_proj: p("self_attn.k_proj.weight", &[kv * hd, d])?,
-            v_proj: p("self_attn.v_proj.weight", &[kv * hd, d])?,
-            o_proj: p("self_attn.o_proj.weight", &[d, h * hd])?,
-            q_bias,
-            k_bias,
-            v_bias,
-            o_bias,
+            q_proj: Linear::new(p("self_attn.q_proj.weight", &[h * hd, d])?, q_bias),
+            k_proj: Linear::new(p("self_attn.k_proj.weight", &[kv * hd, d])?, k_bias),
+            v_proj: Linear::new(p("self_attn.v_proj.weight", &[kv * hd, d])?, v_bias),
+            o_proj: Linear::new(p("self_attn.o_proj.weight", &[d, h * hd])?, o_bias),
             q_norm,
             k_norm,
-            gate_proj: p("mlp.gate_proj.weight", &[f, d])?,
-            up_proj: p("mlp.up_proj.weight", &[f, d])?,
-            down_proj: p("mlp.down_proj.weight", &[d, f])?,
+            gate_proj: Linear::new(p("mlp.gate_proj.weight", &[f, d])?, None),
+            up_proj: Linear::new(p("mlp.up_proj.weight", &[f, d])?, None),
+            down_proj: Linear::new(p("mlp.down_proj.weight", &[d, f])?, None),
         })
     }
 
@@ -191,15 +254,25 @@ impl Layer {
             "post_attention_layernorm.weight",
             &self.post_attention_layernorm,
         );
-        put("self_attn.q_proj.weight", &self.q_proj);
-        put("self_attn.k_proj.weight", &self.k_proj);
-        put("self_attn.v_proj.weight", &self.v_proj);
-        put("self_attn.o_proj.weight", &self.o_proj);
+        for (name, l) in [
+            ("self_attn.q_proj", &self.q_proj),
+            ("self_attn.k_proj", &self.k_proj),
+            ("self_attn.v_proj", &self.v_proj),
+            ("self_attn.o_proj", &self.o_proj),
+        ] {
+            put(&format!("{name}.weight"), &l.weight);
+        }
+        for (name, l) in [
+            ("self_attn.q_proj", &self.q_proj),
+            ("self_attn.k_proj", &self.k_proj),
+            ("self_attn.v_proj", &self.v_proj),
+            ("self_attn.o_proj", &self.o_proj),
+        ] {
+            if let Some(b) = &l.bias {
+                put(&format!("{name}.bias"), b);
+            }
+        }
         for (name, t) in [
-            ("self_attn.q_proj.bias", &self.q_bias),
-            ("self_attn.k_proj.bias", &self.k_bias),
-            ("self_attn.v_proj.bias", &self.v_bias),
-            ("self_attn.o_proj.bias", &self.o_bias),
             ("self_attn.q_norm.weight", &self.q_norm),
             ("self_attn.k_norm.weight", &self.k_norm),
         ] {
@@ -207,9 +280,36 @@ impl Layer {
                 put(name, t);
             }
         }
-        put("mlp.gate_proj.weight", &self.gate_proj);
-        put("mlp.up_proj.weight", &self.up_proj);
-        put("mlp.down_proj.weight", &self.down_proj);
+        put("mlp.gate_proj.weight", &self.gate_proj.weight);
+        put("mlp.up_proj.weight", &self.up_proj.weight);
+        put("mlp.down_proj.weight", &self.down_proj.weight);
+    }
+
+    /// The projection named by its PEFT leaf name (`q_proj`, …, `down_proj`).
+    fn projection(&self, leaf: &str) -> Option<&Linear> {
+        Some(match leaf {
+            "q_proj" => &self.q_proj,
+            "k_proj" => &self.k_proj,
+            "v_proj" => &self.v_proj,
+            "o_proj" => &self.o_proj,
+            "gate_proj" => &self.gate_proj,
+            "up_proj" => &self.up_proj,
+            "down_proj" => &self.down_proj,
+            _ => return None,
+        })
+    }
+
+    fn projection_mut(&mut self, leaf: &str) -> Option<&mut Linear> {
+        Some(match leaf {
+            "q_proj" => &mut self.q_proj,
+            "k_proj" => &mut self.k_proj,
+            "v_proj" => &mut self.v_proj,
+            "o_proj" => &mut self.o_proj,
+            "gate_proj" => &mut self.gate_proj,
+            "up_proj" => &mut self.up_proj,
+            "down_proj" => &mut self.down_proj,
+            _ => return None,
+        })
     }
 
     /// One layer over `x` (`[b, t, d]`) at positions with the given `cos`/`sin`
@@ -228,9 +328,11 @@ impl Layer {
         let (b, t) = (s[0], s[1]);
         let (h, kv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let hn = rms_norm(x, &self.input_layernorm, c.rms_norm_eps);
-        let mut q = linear(&hn, &self.q_proj, self.q_bias.as_ref()).view([b, t, h, hd]);
-        let mut k = linear(&hn, &self.k_proj, self.k_bias.as_ref()).view([b, t, kv, hd]);
-        let v = linear(&hn, &self.v_proj, self.v_bias.as_ref())
+        let mut q = self.q_proj.forward(&hn).view([b, t, h, hd]);
+        let mut k = self.k_proj.forward(&hn).view([b, t, kv, hd]);
+        let v = self
+            .v_proj
+            .forward(&hn)
             .view([b, t, kv, hd])
             .transpose(1, 2);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
@@ -284,13 +386,11 @@ impl Layer {
             Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, false)
         };
         let attn = attn.transpose(1, 2).reshape([b, t, h * hd]);
-        let x = x + linear(&attn, &self.o_proj, self.o_bias.as_ref());
+        let x = x + self.o_proj.forward(&attn);
         let hn = rms_norm(&x, &self.post_attention_layernorm, c.rms_norm_eps);
-        let mlp = linear(
-            &(linear(&hn, &self.gate_proj, None).silu() * linear(&hn, &self.up_proj, None)),
-            &self.down_proj,
-            None,
-        );
+        let mlp = self
+            .down_proj
+            .forward(&(self.gate_proj.forward(&hn).silu() * self.up_proj.forward(&hn)));
         x + mlp
     }
 }
@@ -409,11 +509,93 @@ impl Transformer {
         out
     }
 
-    /// Turns gradient tracking on or off for every parameter.
+    /// Turns gradient tracking on or off for the trainable parameters
+    /// ([`Self::trainable_parameters`]); with an adapter attached the base weights stay
+    /// frozen.
     pub fn set_requires_grad(&mut self, on: bool) {
-        for (_, t) in self.named_parameters() {
+        for (_, t) in self.trainable_parameters() {
             let _ = t.set_requires_grad(on);
         }
+    }
+
+    /// What an update trains: the adapters when LoRA is attached, else every weight.
+    pub fn trainable_parameters(&self) -> Vec<(String, Tensor)> {
+        if self.has_lora() {
+            self.named_adapters()
+        } else {
+            self.named_parameters()
+        }
+    }
+
+    /// Whether a LoRA adapter is attached.
+    pub fn has_lora(&self) -> bool {
+        self.layers.iter().any(|l| {
+            LORA_TARGETS
+                .iter()
+                .any(|(leaf, _)| l.projection(leaf).is_some_and(|p| p.lora.is_some()))
+        })
+    }
+
+    /// Attaches a LoRA adapter of rank `rank` to every projection named in `targets`
+    /// (PEFT leaf names, see [`LORA_TARGETS`]) of every layer; `source(name, shape)`
+    /// gives each adapter tensor by its PEFT name ([`peft_lora_name`]) in fp32.
+    pub fn attach_lora(
+        &mut self,
+        targets: &[String],
+        rank: i64,
+        scaling: f64,
+        source: &mut TensorSource<'_>,
+    ) -> Result<(), WeightsError> {
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            for (leaf, _) in LORA_TARGETS {
+                if !targets.iter().any(|t| t == leaf) {
+                    continue;
+                }
+                let Some(proj) = layer.projection_mut(leaf) else {
+                    continue;
+                };
+                let (out, inp) = proj.shape();
+                let a = source(&peft_lora_name(i, leaf, 'A'), &[rank, inp])?;
+                let b = source(&peft_lora_name(i, leaf, 'B'), &[out, rank])?;
+                proj.lora = Some(Lora { a, b, scaling });
+            }
+        }
+        Ok(())
+    }
+
+    /// Every adapter tensor with its PEFT name, in layer order.
+    pub fn named_adapters(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (leaf, _) in LORA_TARGETS {
+                if let Some(l) = layer.projection(leaf).and_then(|p| p.lora.as_ref()) {
+                    out.push((peft_lora_name(i, leaf, 'A'), l.a.shallow_clone()));
+                    out.push((peft_lora_name(i, leaf, 'B'), l.b.shallow_clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Folds every adapter into its base weight (`W + s · B A`, computed in fp32 and
+    /// cast to the weight's dtype, as PEFT's `merge_and_unload`) and removes it.
+    pub fn merge_lora(&mut self) {
+        tch::no_grad(|| {
+            for layer in &mut self.layers {
+                for (leaf, _) in LORA_TARGETS {
+                    let Some(proj) = layer.projection_mut(leaf) else {
+                        continue;
+                    };
+                    if let Some(l) = proj.lora.take() {
+                        let delta = l.b.to_kind(Kind::Float).matmul(&l.a.to_kind(Kind::Float))
+                            * l.scaling;
+                        let merged = (proj.weight.to_kind(Kind::Float) + delta)
+                            .to_kind(proj.weight.kind());
+                        proj.weight = merged;
+                    }
+                }
+            }
+        });
     }
 
     /// Number of layers.

@@ -1,9 +1,25 @@
-//! AdamW with fp32 moments whatever the parameters' dtype (tch's own keeps them in the
-//! parameter dtype, which loses small updates in bf16), the learning-rate schedule, and
-//! gradient clipping that reports the norm.
+//! AdamW with fp32 moments and fp32 master weights whatever the parameters' dtype, its
+//! state on disk, the learning-rate schedule, and gradient clipping that reports the norm.
+//!
+//! Mixed precision as mixed-precision trainers do it: the model computes in its dtype
+//! (bf16 on GPUs), and for every parameter that is not fp32 the optimizer keeps an fp32
+//! master copy; the step updates the master and copies the rounded value into the
+//! parameter. Without it an update below half a bf16 spacing (about `|w| / 256`) is
+//! rounded away: at lr 1e-6 every weight above about 3e-4 in magnitude would never move.
+//! tch's own AdamW keeps even the moments in the parameter dtype.
+//!
+//! The state is saved beside a checkpoint as `optimizer.safetensors` (for each parameter
+//! `NAME.exp_avg`, `NAME.exp_avg_sq` and, for non-fp32 parameters, `NAME.master`, all
+//! fp32) and `optimizer.json` (format, step count, hyper-parameters, the parameters'
+//! names, shapes and dtypes, and the SHA-256 of the tensors file), so that a chain of
+//! runs is one continuous optimization.
+
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
+
+use super::weights::{self, Checkpoint, WeightsError};
 
 /// The shape of the learning rate over steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,13 +55,29 @@ pub fn learning_rate(
     }
 }
 
-/// AdamW state for a fixed list of parameters.
+/// File of the optimizer's tensors, beside a checkpoint.
+pub const STATE_TENSORS: &str = "optimizer.safetensors";
+/// File of the optimizer's step count and layout, beside a checkpoint.
+pub const STATE_INFO: &str = "optimizer.json";
+/// Format name in [`STATE_INFO`].
+pub const STATE_FORMAT: &str = "tapline.optimizer.v1";
+
+/// One parameter's state.
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    param: Tensor,
+    /// fp32 copy of a parameter that is not fp32.
+    master: Option<Tensor>,
+    m: Tensor,
+    v: Tensor,
+}
+
+/// AdamW state for a fixed list of named parameters.
 #[derive(Debug)]
 pub struct AdamW {
-    params: Vec<Tensor>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
-    steps: i32,
+    slots: Vec<Slot>,
+    steps: u64,
     /// `β1`.
     pub beta1: f64,
     /// `β2`.
@@ -56,14 +88,94 @@ pub struct AdamW {
     pub weight_decay: f64,
 }
 
+/// Why an optimizer state could not be saved or resumed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    /// A file cannot be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The state is malformed or does not belong to the parameters being trained.
+    #[error("{path}: {message}")]
+    Mismatch {
+        /// The file.
+        path: PathBuf,
+        /// What does not fit, and what to do.
+        message: String,
+    },
+    /// The tensors file is not valid safetensors.
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+}
+
+/// One parameter in [`STATE_INFO`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StateParameter {
+    /// Its name (HF or PEFT).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<i64>,
+    /// Its dtype in the model (`Float`, `BFloat16`, …).
+    pub dtype: String,
+    /// Whether the state holds an fp32 master copy.
+    pub master: bool,
+}
+
+/// The contents of [`STATE_INFO`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StateInfo {
+    /// [`STATE_FORMAT`].
+    pub format: String,
+    /// Optimizer steps taken (bias correction continues from it).
+    pub step: u64,
+    /// `β1` of the run that saved it.
+    pub beta1: f64,
+    /// `β2`.
+    pub beta2: f64,
+    /// `ε`.
+    pub eps: f64,
+    /// Weight decay.
+    pub weight_decay: f64,
+    /// SHA-256 of [`STATE_TENSORS`].
+    pub tensors_sha256: String,
+    /// Every parameter, in order.
+    pub parameters: Vec<StateParameter>,
+}
+
+/// Whether `dir` holds an optimizer state.
+pub fn has_state(dir: &Path) -> bool {
+    dir.join(STATE_INFO).is_file() && dir.join(STATE_TENSORS).is_file()
+}
+
 impl AdamW {
-    /// State for `params` (moments zero, fp32, on each parameter's device).
-    pub fn new(params: Vec<Tensor>, beta1: f64, beta2: f64, eps: f64, weight_decay: f64) -> Self {
+    /// State for `params` (moments zero, fp32, on each parameter's device; an fp32
+    /// master copy of each parameter that is not fp32).
+    pub fn new(
+        params: Vec<(String, Tensor)>,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    ) -> Self {
         let zeros = |p: &Tensor| Tensor::zeros(p.size(), (Kind::Float, p.device()));
+        let slots = params
+            .into_iter()
+            .map(|(name, param)| Slot {
+                master: (param.kind() != Kind::Float)
+                    .then(|| tch::no_grad(|| param.detach().to_kind(Kind::Float))),
+                m: zeros(&param),
+                v: zeros(&param),
+                name,
+                param,
+            })
+            .collect();
         AdamW {
-            m: params.iter().map(zeros).collect(),
-            v: params.iter().map(zeros).collect(),
-            params,
+            slots,
             steps: 0,
             beta1,
             beta2,
@@ -72,10 +184,34 @@ impl AdamW {
         }
     }
 
+    /// Steps taken, counting those of a resumed state.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The fp32 master copy of a parameter that is not fp32.
+    pub fn master(&self, name: &str) -> Option<&Tensor> {
+        self.slots
+            .iter()
+            .find(|s| s.name == name)
+            .and_then(|s| s.master.as_ref())
+    }
+
+    /// Bytes of optimizer state (moments and masters).
+    pub fn state_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| {
+                let n = s.param.numel() as u64 * 4;
+                n * if s.master.is_some() { 3 } else { 2 }
+            })
+            .sum()
+    }
+
     /// Clears every gradient.
     pub fn zero_grad(&mut self) {
-        for p in &mut self.params {
-            p.zero_grad();
+        for s in &mut self.slots {
+            s.param.zero_grad();
         }
     }
 
@@ -83,8 +219,8 @@ impl AdamW {
     pub fn grad_norm(&self) -> f64 {
         tch::no_grad(|| {
             let mut total = 0.0f64;
-            for p in &self.params {
-                let g = p.grad();
+            for s in &self.slots {
+                let g = s.param.grad();
                 if g.defined() {
                     total += g
                         .to_kind(Kind::Float)
@@ -104,8 +240,8 @@ impl AdamW {
         if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
             let scale = max_norm / (norm + 1e-6);
             tch::no_grad(|| {
-                for p in &self.params {
-                    let mut g = p.grad();
+                for s in &self.slots {
+                    let mut g = s.param.grad();
                     if g.defined() {
                         let _ = g.f_mul_scalar_(scale);
                     }
@@ -115,32 +251,197 @@ impl AdamW {
         norm
     }
 
-    /// One AdamW step at learning rate `lr`.
+    /// One AdamW step at learning rate `lr` (torch.optim.AdamW's rule), on the fp32
+    /// master where there is one, then copied (rounded) into the parameter.
     pub fn step(&mut self, lr: f64) {
         self.steps += 1;
-        let bc1 = 1.0 - self.beta1.powi(self.steps);
-        let bc2 = 1.0 - self.beta2.powi(self.steps);
+        let steps = i32::try_from(self.steps).unwrap_or(i32::MAX);
+        let bc1 = 1.0 - self.beta1.powi(steps);
+        let bc2 = 1.0 - self.beta2.powi(steps);
+        let (beta1, beta2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
         tch::no_grad(|| {
-            for ((p, m), v) in self.params.iter_mut().zip(&mut self.m).zip(&mut self.v) {
-                let g = p.grad();
+            for s in &mut self.slots {
+                let g = s.param.grad();
                 if !g.defined() {
                     continue;
                 }
                 let g = g.to_kind(Kind::Float);
-                let _ = m.f_mul_scalar_(self.beta1);
-                let _ = m.f_add_(&(&g * (1.0 - self.beta1)));
-                let _ = v.f_mul_scalar_(self.beta2);
-                let _ = v.f_add_(&(g.square() * (1.0 - self.beta2)));
-                let denom = (&*v / bc2).sqrt() + self.eps;
-                let update = (&*m / bc1) / denom;
-                let mut master = p.to_kind(Kind::Float);
-                if self.weight_decay != 0.0 {
-                    master *= 1.0 - lr * self.weight_decay;
+                let _ = s.m.f_mul_scalar_(beta1);
+                let _ = s.m.f_add_(&(&g * (1.0 - beta1)));
+                let _ = s.v.f_mul_scalar_(beta2);
+                let _ = s.v.f_add_(&(g.square() * (1.0 - beta2)));
+                let denom = (&s.v / bc2).sqrt() + eps;
+                let update = (&s.m / bc1) / denom * lr;
+                let target = s.master.as_mut().unwrap_or(&mut s.param);
+                if wd != 0.0 {
+                    let _ = target.f_mul_scalar_(1.0 - lr * wd);
                 }
-                let new = master - update * lr;
-                let _ = p.f_copy_(&new.to_kind(p.kind()));
+                let _ = target.f_sub_(&update);
+                if let Some(master) = &s.master {
+                    let _ = s.param.f_copy_(&master.to_kind(s.param.kind()));
+                }
             }
         });
+    }
+
+    /// Writes [`STATE_TENSORS`] and [`STATE_INFO`] into `dir`; returns the info written.
+    pub fn save_state(&self, dir: &Path) -> Result<StateInfo, StateError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| StateError::Io { path, source }
+        };
+        let mut tensors = Vec::with_capacity(self.slots.len() * 3);
+        let mut parameters = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            tensors.push((format!("{}.exp_avg", s.name), s.m.shallow_clone()));
+            tensors.push((format!("{}.exp_avg_sq", s.name), s.v.shallow_clone()));
+            if let Some(master) = &s.master {
+                tensors.push((format!("{}.master", s.name), master.shallow_clone()));
+            }
+            parameters.push(StateParameter {
+                name: s.name.clone(),
+                shape: s.param.size(),
+                dtype: format!("{:?}", s.param.kind()),
+                master: s.master.is_some(),
+            });
+        }
+        let tensors_path = dir.join(STATE_TENSORS);
+        weights::save(&tensors_path, &tensors)?;
+        let bytes = std::fs::read(&tensors_path).map_err(io(&tensors_path))?;
+        let info = StateInfo {
+            format: STATE_FORMAT.into(),
+            step: self.steps,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            tensors_sha256: crate::ingest::sha256_hex(&bytes),
+            parameters,
+        };
+        let info_path = dir.join(STATE_INFO);
+        let text = serde_json::to_vec_pretty(&info).unwrap_or_default();
+        std::fs::write(&info_path, text).map_err(io(&info_path))?;
+        Ok(info)
+    }
+
+    /// Resumes from the state in `dir`: moments, masters and step count. The state must
+    /// hold exactly these parameters with these shapes, and each master must round to
+    /// the parameter it shadows (else it belongs to other weights). A master saved for a
+    /// parameter that is fp32 now replaces that parameter (full precision again).
+    pub fn load_state(&mut self, dir: &Path) -> Result<StateInfo, StateError> {
+        let info_path = dir.join(STATE_INFO);
+        let tensors_path = dir.join(STATE_TENSORS);
+        let mismatch = |path: &Path, message: String| StateError::Mismatch {
+            path: path.to_path_buf(),
+            message,
+        };
+        let text = std::fs::read_to_string(&info_path).map_err(|source| StateError::Io {
+            path: info_path.clone(),
+            source,
+        })?;
+        let info: StateInfo = serde_json::from_str(&text)
+            .map_err(|e| mismatch(&info_path, format!("not an optimizer state: {e}")))?;
+        if info.format != STATE_FORMAT {
+            return Err(mismatch(
+                &info_path,
+                format!("format {:?}, expected {STATE_FORMAT:?}", info.format),
+            ));
+        }
+        let bytes = std::fs::read(&tensors_path).map_err(|source| StateError::Io {
+            path: tensors_path.clone(),
+            source,
+        })?;
+        let sha = crate::ingest::sha256_hex(&bytes);
+        if sha != info.tensors_sha256 {
+            return Err(mismatch(
+                &tensors_path,
+                format!(
+                    "SHA-256 {sha} is not the {} that {STATE_INFO} names: the two files are not from the same save",
+                    info.tensors_sha256
+                ),
+            ));
+        }
+        drop(bytes);
+        let file = Checkpoint::open_file(&tensors_path)?;
+        let hint = "(the state is from another model or mode; pass --fresh-optimizer to start a new one)";
+        let mut expected = std::collections::BTreeSet::new();
+        let mut loaded = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            let shape = s.param.size();
+            let device = s.param.device();
+            let mut get = |suffix: &str| -> Result<Option<Tensor>, StateError> {
+                let name = format!("{}.{suffix}", s.name);
+                expected.insert(name.clone());
+                match file.shape(&name) {
+                    None => Ok(None),
+                    Some(found) if found != shape.as_slice() => Err(mismatch(
+                        &tensors_path,
+                        format!(
+                            "{name} has shape {found:?} but the parameter is {shape:?} {hint}"
+                        ),
+                    )),
+                    Some(_) => Ok(Some(file.load(&name, &shape, Kind::Float, device)?)),
+                }
+            };
+            let m = get("exp_avg")?;
+            let v = get("exp_avg_sq")?;
+            let master = get("master")?;
+            let (Some(m), Some(v)) = (m, v) else {
+                return Err(mismatch(
+                    &tensors_path,
+                    format!("no moments for parameter {} {hint}", s.name),
+                ));
+            };
+            if let Some(master) = &master {
+                let rounded = master.to_kind(s.param.kind());
+                let same = if s.param.kind() == Kind::Float {
+                    // An fp32 parameter saved from a bf16 run: it is the rounded master.
+                    master.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+                } else {
+                    rounded
+                };
+                let agrees = tch::no_grad(|| {
+                    let p = s.param.detach();
+                    let p = if s.param.kind() == Kind::Float {
+                        p.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+                    } else {
+                        p
+                    };
+                    bool::try_from(same.eq_tensor(&p).all()).unwrap_or(false)
+                });
+                if !agrees {
+                    return Err(mismatch(
+                        &tensors_path,
+                        format!(
+                            "the fp32 master of {} does not round to the weights being trained: the state belongs to other weights (resume from the directory that holds both, or pass --fresh-optimizer)",
+                            s.name
+                        ),
+                    ));
+                }
+            }
+            loaded.push((m, v, master));
+        }
+        if let Some(extra) = file.names().find(|n| !expected.contains(*n)) {
+            return Err(mismatch(
+                &tensors_path,
+                format!("{extra} is not the state of any parameter being trained {hint}"),
+            ));
+        }
+        tch::no_grad(|| {
+            for (s, (m, v, master)) in self.slots.iter_mut().zip(loaded) {
+                s.m = m;
+                s.v = v;
+                match (s.master.as_mut(), master) {
+                    (Some(mine), Some(saved)) => *mine = saved,
+                    (None, Some(saved)) => {
+                        let _ = s.param.f_copy_(&saved);
+                    }
+                    _ => {}
+                }
+            }
+        });
+        self.steps = info.step;
+        Ok(info)
     }
 }
 
@@ -164,7 +465,7 @@ mod tests {
     #[test]
     fn adamw_matches_the_reference_rule() {
         let p = Tensor::from_slice(&[1.0f32, -2.0, 0.5]).set_requires_grad(true);
-        let mut opt = AdamW::new(vec![p.shallow_clone()], 0.9, 0.999, 1e-8, 0.1);
+        let mut opt = AdamW::new(vec![("p".into(), p.shallow_clone())], 0.9, 0.999, 1e-8, 0.1);
         let (mut m, mut v) = ([0f64; 3], [0f64; 3]);
         let mut expected = [1.0f64, -2.0, 0.5];
         for step in 1..=3 {
@@ -190,7 +491,7 @@ mod tests {
     #[test]
     fn clipping_reports_the_norm_and_scales() {
         let p = Tensor::from_slice(&[3.0f32, 4.0]).set_requires_grad(true);
-        let mut opt = AdamW::new(vec![p.shallow_clone()], 0.9, 0.999, 1e-8, 0.0);
+        let mut opt = AdamW::new(vec![("p".into(), p.shallow_clone())], 0.9, 0.999, 1e-8, 0.0);
         (&p * &p * 0.5).sum(Kind::Float).backward();
         let norm = opt.clip_grad_norm(1.0);
         assert!((norm - 5.0).abs() < 1e-6);

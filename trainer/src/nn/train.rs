@@ -27,6 +27,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use super::lora::LoraOptions;
 use super::loss::{self, LossOptions, LossStats, PolicyLoss, TokenInputs};
 use super::model::Transformer;
 use super::optim::{AdamW, LrSchedule, learning_rate};
@@ -76,8 +77,11 @@ pub struct TrainOptions {
     pub recompute: bool,
     /// `auto` (fp32 on CPU, bf16 on CUDA), `float32` or `bfloat16`.
     pub dtype: String,
-    /// Seed of libtorch's generator.
+    /// Seed of libtorch's generator (and of a new LoRA adapter's `A`).
     pub seed: u64,
+    /// Train a LoRA adapter instead of every weight (section `[train.lora]`; absent:
+    /// full fine-tune).
+    pub lora: Option<LoraOptions>,
 }
 
 impl Default for TrainOptions {
@@ -104,6 +108,7 @@ impl Default for TrainOptions {
             recompute: false,
             dtype: "auto".into(),
             seed: 0,
+            lora: None,
         }
     }
 }
@@ -163,7 +168,23 @@ impl TrainOptions {
                 self.dtype
             ));
         }
+        if let Some(lora) = &self.lora {
+            lora.validate()?;
+        }
         Ok(())
+    }
+
+    /// A new optimizer for the model's trainable parameters (the adapters under LoRA),
+    /// with gradients turned on for them.
+    pub fn optimizer(&self, model: &mut Transformer) -> AdamW {
+        model.set_requires_grad(true);
+        AdamW::new(
+            model.trainable_parameters(),
+            self.beta1,
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+        )
     }
 
     /// The loss settings.
@@ -429,7 +450,10 @@ pub fn micro_step(
             (out * &grad).sum(Kind::Float).backward();
             grad = input.grad();
         }
-        (model.embed(&g.ids) * &grad).sum(Kind::Float).backward();
+        let embedded = model.embed(&g.ids);
+        if embedded.requires_grad() {
+            (embedded * &grad).sum(Kind::Float).backward();
+        }
     } else {
         (top * &grad).sum(Kind::Float).backward();
     }
@@ -451,10 +475,12 @@ pub struct TrainResult {
     pub seconds: f64,
 }
 
-/// Runs every mini-batch `epochs` times; `first_step` is the global step count so far
-/// (for the schedule); `on_step` sees each step's metrics as they happen.
+/// Runs every mini-batch `epochs` times with `optimizer` (made by
+/// [`TrainOptions::optimizer`], possibly resumed); `first_step` is the global step count
+/// so far (for the schedule); `on_step` sees each step's metrics as they happen.
 pub fn train(
     model: &mut Transformer,
+    optimizer: &mut AdamW,
     mini_batches: &[MiniBatch],
     options: &TrainOptions,
     first_step: u64,
@@ -491,18 +517,6 @@ pub fn train(
     let old_logprob_seconds = old_started.elapsed().as_secs_f64();
 
     model.set_requires_grad(true);
-    let params: Vec<Tensor> = model
-        .named_parameters()
-        .into_iter()
-        .map(|(_, t)| t)
-        .collect();
-    let mut optimizer = AdamW::new(
-        params,
-        options.beta1,
-        options.beta2,
-        options.eps,
-        options.weight_decay,
-    );
     let run_steps = mini_batches.len() as u64 * u64::from(options.epochs);
     let total_steps = options.total_steps.unwrap_or(first_step + run_steps);
     let mut result = TrainResult {

@@ -220,6 +220,18 @@ impl Checkpoint {
         Ok(Checkpoint { entries })
     }
 
+    /// Indexes one safetensors file (an adapter, an optimizer state).
+    pub fn open_file(path: &Path) -> Result<Self, WeightsError> {
+        let mut entries = BTreeMap::new();
+        index_file(path, &mut entries)?;
+        Ok(Checkpoint { entries })
+    }
+
+    /// Shape of a tensor, if the checkpoint has it.
+    pub fn shape(&self, name: &str) -> Option<&[i64]> {
+        self.entries.get(name).map(|e| e.shape.as_slice())
+    }
+
     /// Names of every tensor.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(String::as_str)
