@@ -34,6 +34,30 @@ prints {"logprobs": [[...], ...]}: for each sequence of n ids, the n - 1 values
 log_softmax(logits[t - 1])[ids[t]] for t = 1 .. n - 1 (float32 model in eval mode, default
 attention implementation, one sequence at a time without padding; the log-softmax is taken
 in float64 of the float32 logits). Nothing else is written on stdout.
+
+LoRA adapters, with PEFT as the reference (float32 throughout):
+
+    python hf_reference.py peft-random --model DIR --out ADIR --rank R --alpha A
+                                       [--targets q_proj,v_proj,...] [--rslora] [--seed N]
+
+writes a PEFT adapter for the model in DIR with `save_pretrained`, both A and B drawn at
+random (A ~ U(-1/sqrt(in), 1/sqrt(in)) as PEFT initialises it, B ~ 0.05 N(0, 1) instead of
+PEFT's zeros, so that the adapter changes the model).
+
+    python hf_reference.py peft-logprobs --model DIR --adapter ADIR < {"sequences": [...]}
+
+prints the log-probabilities (as `logprobs`) of `PeftModel.from_pretrained(model, ADIR)`.
+
+    python hf_reference.py peft-grads --model DIR --adapter ADIR
+        < {"sequences": [[id, ...]], "coefficients": [[c_1, ..., c_{n-1}], ...]}
+
+prints {"grads": {name: [flattened values]}}: the gradient of
+-sum_s sum_t c_s[t - 1] * log p(ids_s[t] | ids_s[..t]) with respect to every adapter
+tensor, under the names PEFT saves them with.
+
+    python hf_reference.py peft-merge --model DIR --adapter ADIR --out MDIR
+
+writes `merge_and_unload()` of the adapter on the model as a Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -183,6 +207,94 @@ def logprobs(args) -> None:
     return {"logprobs": out}
 
 
+def load_base(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu")
+
+
+def peft_random(args) -> None:
+    import math
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = load_base(args.model)
+    config = LoraConfig(
+        r=args.rank,
+        lora_alpha=args.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=args.targets.split(","),
+        use_rslora=args.rslora,
+    )
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_A" in name:
+                bound = 1.0 / math.sqrt(param.shape[1])
+                param.copy_((torch.rand(param.shape, generator=generator) * 2 - 1) * bound)
+            elif "lora_B" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(args.out)
+    log(f"wrote a random adapter (r {args.rank}, alpha {args.alpha}) to {args.out}")
+
+
+def peft_model(args, trainable: bool = False):
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_base(args.model), args.adapter, is_trainable=trainable)
+    model.eval()
+    return model
+
+
+def sequence_logprobs(model, ids):
+    import torch
+
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    logits = model(input_ids=input_ids).logits[0, :-1]
+    return logits.log_softmax(-1).gather(-1, input_ids[0, 1:, None])[:, 0]
+
+
+def peft_logprobs(args):
+    import torch
+
+    request = json.load(sys.stdin)
+    model = peft_model(args)
+    out = []
+    with torch.no_grad():
+        for ids in request["sequences"]:
+            out.append([] if len(ids) < 2 else sequence_logprobs(model, ids).double().tolist())
+    return {"logprobs": out}
+
+
+def peft_grads(args):
+    import torch
+
+    request = json.load(sys.stdin)
+    model = peft_model(args, trainable=True)
+    loss = 0.0
+    for ids, coefficients in zip(request["sequences"], request["coefficients"]):
+        lp = sequence_logprobs(model, ids)
+        loss = loss - (lp * torch.tensor(coefficients, dtype=torch.float32)).sum()
+    loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None and "lora_" in name:
+            grads[name.replace(".default.", ".")] = param.grad.flatten().tolist()
+    return {"grads": grads}
+
+
+def peft_merge(args) -> None:
+    model = peft_model(args).merge_and_unload()
+    model.save_pretrained(args.out)
+    for file in args.out.iterdir():
+        file.chmod(0o644)
+    log(f"wrote the merged model to {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +307,22 @@ def main() -> None:
     p.add_argument("--legacy-rope", action="store_true", help="transformers 4 rope keys in config.json")
     p = commands.add_parser("logprobs", help="log-probabilities of sequences read from stdin")
     p.add_argument("--model", type=Path, required=True)
+    p = commands.add_parser("peft-random", help="write a random PEFT LoRA adapter")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--alpha", type=float, required=True)
+    p.add_argument(
+        "--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    )
+    p.add_argument("--rslora", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    for name in ["peft-logprobs", "peft-grads", "peft-merge"]:
+        p = commands.add_parser(name)
+        p.add_argument("--model", type=Path, required=True)
+        p.add_argument("--adapter", type=Path, required=True)
+        if name == "peft-merge":
+            p.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     import torch
@@ -204,7 +332,14 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     # Whatever transformers or torch print goes to stderr: stdout carries only the answer.
     with contextlib.redirect_stdout(sys.stderr):
-        result = tiny(args) if args.command == "tiny" else logprobs(args)
+        result = {
+            "tiny": tiny,
+            "logprobs": logprobs,
+            "peft-random": peft_random,
+            "peft-logprobs": peft_logprobs,
+            "peft-grads": peft_grads,
+            "peft-merge": peft_merge,
+        }[args.command](args)
     if result is not None:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")

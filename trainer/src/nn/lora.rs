@@ -258,7 +258,7 @@ pub fn read_config(dir: &Path) -> Result<LoraOptions, AdapterError> {
     if c.get("bias").and_then(Value::as_str).unwrap_or("none") != "none" {
         return Err(field("bias", "only \"none\" is supported".into()));
     }
-    for name in ["fan_in_fan_out", "use_dora"] {
+    for name in ["fan_in_fan_out", "use_dora", "lora_bias", "use_qalora"] {
         if flag(name) {
             return Err(field(name, "true is not supported".into()));
         }
@@ -274,7 +274,14 @@ pub fn read_config(dir: &Path) -> Result<LoraOptions, AdapterError> {
             ));
         }
     }
-    for name in ["layers_to_transform", "modules_to_save"] {
+    for name in [
+        "layers_to_transform",
+        "modules_to_save",
+        "layer_replication",
+        "target_parameters",
+        "trainable_token_indices",
+        "exclude_modules",
+    ] {
         if c.get(name)
             .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
         {
