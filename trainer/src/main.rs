@@ -569,9 +569,9 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let mut optimizer = options.optimizer(&mut model);
     let resumed = match &state_dir {
         Some(dir) if !args.fresh_optimizer && nn::optim::has_state(dir) => {
-            let info = optimizer.load_state(dir).with_context(|| {
-                format!("resume the optimizer state in {}", dir.display())
-            })?;
+            let info = optimizer
+                .load_state(dir)
+                .with_context(|| format!("resume the optimizer state in {}", dir.display()))?;
             Some(serde_json::json!({
                 "from": dir.display().to_string(),
                 "optimizer_step": info.step,
@@ -617,7 +617,10 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         kind,
         steps,
         match &resumed {
-            Some(r) => format!(", optimizer state resumed from {}", r["from"].as_str().unwrap_or("")),
+            Some(r) => format!(
+                ", optimizer state resumed from {}",
+                r["from"].as_str().unwrap_or("")
+            ),
             None => String::new(),
         },
     );

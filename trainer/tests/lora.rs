@@ -10,10 +10,10 @@ use std::process::{Command, Stdio};
 
 use common::reference::*;
 use serde_json::{Value, json};
+use tapline_trainer::nn::Transformer;
 use tapline_trainer::nn::lora::{self, LoraOptions};
 use tapline_trainer::nn::train::{self, TrainOptions, gather, micro_step};
 use tapline_trainer::nn::weights::{self, Checkpoint};
-use tapline_trainer::nn::Transformer;
 use tapline_trainer::pipeline::TrainSequence;
 use tch::{Device, Kind, Tensor};
 
@@ -286,7 +286,13 @@ fn a_trained_adapter_loads_in_peft_and_merges_as_peft_does() {
         assert!(after.equal(was), "base weight {name} changed");
     }
     let out = tempfile::tempdir().unwrap();
-    let sha = lora::save(&model, &settings, &base.path().display().to_string(), out.path()).unwrap();
+    let sha = lora::save(
+        &model,
+        &settings,
+        &base.path().display().to_string(),
+        out.path(),
+    )
+    .unwrap();
     assert_eq!(sha.len(), 64);
     let config: Value =
         serde_json::from_slice(&std::fs::read(out.path().join("adapter_config.json")).unwrap())
@@ -418,7 +424,9 @@ fn bad_adapter_directories_are_named() {
     );
 
     let d = copy();
-    edit_config(d.path(), &|c| c["target_modules"] = json!(["q_proj", "lm_head"]));
+    edit_config(d.path(), &|c| {
+        c["target_modules"] = json!(["q_proj", "lm_head"])
+    });
     check(
         d.path(),
         &["adapter_config.json", "`target_modules`", "\"lm_head\""],
@@ -428,7 +436,11 @@ fn bad_adapter_directories_are_named() {
     edit_config(d.path(), &|c| c["target_modules"] = json!(".*proj"));
     check(
         d.path(),
-        &["adapter_config.json", "`target_modules`", "regular expression"],
+        &[
+            "adapter_config.json",
+            "`target_modules`",
+            "regular expression",
+        ],
     );
 
     let d = copy();

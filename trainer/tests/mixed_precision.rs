@@ -8,8 +8,8 @@ use std::path::Path;
 
 use common::reference::{mini, random_ids, seq};
 use tapline_trainer::nn::optim::AdamW;
-use tapline_trainer::nn::weights::Checkpoint;
 use tapline_trainer::nn::train::{self, TrainOptions};
+use tapline_trainer::nn::weights::Checkpoint;
 use tapline_trainer::nn::{Transformer, checkpoint};
 use tapline_trainer::pipeline::MiniBatch;
 use tch::{Device, Kind, Tensor};
@@ -20,7 +20,11 @@ fn batches(n: usize) -> Vec<MiniBatch> {
     (0..n)
         .map(|i| {
             let a = if i % 2 == 0 { 1.0 } else { -1.0 };
-            mini(vec![seq(&random_ids(24, 49152, 100 + i as u64), a, 1.0 / 12.0)])
+            mini(vec![seq(
+                &random_ids(24, 49152, 100 + i as u64),
+                a,
+                1.0 / 12.0,
+            )])
         })
         .collect()
 }
@@ -107,7 +111,9 @@ fn bf16_updates_follow_the_fp32_run_through_fp32_masters() {
             .eq_tensor(&rounded)
             .logical_or(&h.eq_tensor(&rounded.nextafter(h)));
         beyond_ulp += within.logical_not().sum(Kind::Int64).int64_value(&[]);
-        let master = opt_half.master(name).expect("a bf16 parameter has a master");
+        let master = opt_half
+            .master(name)
+            .expect("a bf16 parameter has a master");
         master_gap = master_gap.max((master - &f).abs().max().double_value(&[]));
         if h.dim() == 2 && name.contains(".layers.") {
             moved_master += differing(master, &start.to_kind(Kind::Float)).0;
@@ -235,7 +241,9 @@ fn a_state_that_belongs_to_other_weights_is_refused() {
     let mut opt_other = options().optimizer(&mut other);
     let e = opt_other.load_state(saved.path()).unwrap_err().to_string();
     assert!(
-        e.contains("optimizer.safetensors") && e.contains("does not round") && e.contains("--fresh-optimizer"),
+        e.contains("optimizer.safetensors")
+            && e.contains("does not round")
+            && e.contains("--fresh-optimizer"),
         "{e}"
     );
     // A tensors file that is not the one optimizer.json names.

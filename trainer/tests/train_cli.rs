@@ -87,10 +87,17 @@ fn run(cmd: &mut Command) -> (bool, String, String) {
 
 /// Runs `score` with `input` on stdin.
 fn run_score(model: &Path, input: &str) -> std::process::Output {
+    run_score_with(model, None, input)
+}
+
+fn run_score_with(model: &Path, adapter: Option<&Path>, input: &str) -> std::process::Output {
     use std::io::Write as _;
-    let mut child = trainer()
-        .args(["score", "--model"])
-        .arg(model)
+    let mut cmd = trainer();
+    cmd.args(["score", "--model"]).arg(model);
+    if let Some(adapter) = adapter {
+        cmd.arg("--adapter").arg(adapter);
+    }
+    let mut child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -106,8 +113,16 @@ fn run_score(model: &Path, input: &str) -> std::process::Output {
 }
 
 fn score(model: &Path, ids: &[u32]) -> Vec<f64> {
-    let out = run_score(model, &json!({ "ids": ids }).to_string());
-    assert!(out.status.success());
+    score_with(model, None, ids)
+}
+
+fn score_with(model: &Path, adapter: Option<&Path>, ids: &[u32]) -> Vec<f64> {
+    let out = run_score_with(model, adapter, &json!({ "ids": ids }).to_string());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     serde_json::from_value(v["logprobs"].clone()).unwrap()
 }
@@ -192,6 +207,14 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
     assert!(m["compute"]["wall_clock_seconds"].as_f64().unwrap() > 0.0);
     assert_eq!(m["compute"]["gpu_seconds"], 0.0);
     assert_eq!(m["checkpoint"]["global_step"], 2);
+    assert_eq!(m["mode"], "full");
+    assert_eq!(m["resumed"], Value::Null);
+    // The optimizer state is beside the checkpoint, named in the manifest.
+    let state = std::fs::read(out.join("optimizer.safetensors")).unwrap();
+    let state_sha = tapline_trainer::ingest::sha256_hex(&state);
+    assert_eq!(m["checkpoint"]["optimizer_sha256"], state_sha.as_str());
+    assert_eq!(m["checkpoint"]["optimizer_step"], 2);
+    assert_eq!(read_json(&out.join("optimizer.json"))["step"], 2);
     let weights = std::fs::read(out.join("model.safetensors")).unwrap();
     assert_eq!(
         m["checkpoint"]["model_safetensors_sha256"],
@@ -234,6 +257,11 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
     let m2 = read_json(&out2.join("manifest.json"));
     assert_eq!(m2["steps"].as_array().unwrap().len(), 0);
     assert_eq!(m2["checkpoint"]["global_step"], 2);
+    // ... continuing the optimizer state it found beside the weights.
+    assert_eq!(m2["resumed"]["from"], out.display().to_string());
+    assert_eq!(m2["resumed"]["optimizer_sha256"], state_sha.as_str());
+    assert_eq!(m2["resumed"]["optimizer_step"], 2);
+    assert!(stdout.contains("optimizer state resumed from"), "{stdout}");
 
     // A finished output directory is refused before any work.
     let (ok, _, stderr) = run(&mut train(&model, &out));
@@ -256,4 +284,149 @@ fn score_refuses_bad_input_with_a_message() {
         assert!(stderr.contains(expected), "{input}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn train_with_lora_writes_a_peft_adapter_that_scores_merges_and_resumes() {
+    let model = common::smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = format!("file://{}", tmp.path().join("store").display());
+    let store = open_store(&store_url).unwrap();
+    trace().write(&store, 9).await;
+    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    let config = |rank: u32| {
+        let path = tmp.path().join(format!("lora-{rank}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "[train]\nlr = 5e-4\n\n[train.lora]\nrank = {rank}\nalpha = {}\n",
+                2 * rank
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let train = |out: &Path, config: &Path, extra: &[&str]| {
+        let mut c = trainer();
+        c.args(["train", "--store", &store_url, "--model"])
+            .arg(&model)
+            .arg("--out")
+            .arg(out)
+            .arg("--config")
+            .arg(config)
+            .args(["--now-unix-secs", &now, "--mini-batch-episodes", "4"])
+            .args(["--max-seq-len", "512", "--micro-batch-tokens", "512"])
+            .args(extra);
+        c
+    };
+    let out = tmp.path().join("adapter-1");
+    let (ok, stdout, stderr) = run(&mut train(&out, &config(8), &[]));
+    assert!(ok, "train failed: {stderr}\n{stdout}");
+    assert!(stdout.contains("LoRA r 8 alpha 16"), "{stdout}");
+    for f in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "trainer_state.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "manifest.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    assert!(!out.join("model.safetensors").exists());
+    let m = read_json(&out.join("manifest.json"));
+    assert_eq!(m["mode"], "lora");
+    assert_eq!(m["steps"].as_array().unwrap().len(), 2);
+    let trainable = m["model"]["trainable_parameters"].as_u64().unwrap();
+    // 30 layers × (4 attention + 3 MLP projections) × r (in + out).
+    assert_eq!(
+        trainable,
+        30 * 8 * (2 * (576 + 576) + 2 * (576 + 192) + 3 * (576 + 1536))
+    );
+    let adapter = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
+    assert_eq!(
+        m["checkpoint"]["adapter_model_safetensors_sha256"],
+        tapline_trainer::ingest::sha256_hex(&adapter)
+    );
+    let config_json = read_json(&out.join("adapter_config.json"));
+    assert_eq!(config_json["r"], 8);
+    assert_eq!(
+        config_json["base_model_name_or_path"],
+        std::fs::canonicalize(&model).unwrap().display().to_string()
+    );
+
+    // The adapter made the rewarded answer likelier; merged, it is the same model.
+    let tokenizer = tapline_trainer::Model::load(&model, &Default::default()).unwrap();
+    let ids = tokenizer
+        .encode("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>")
+        .unwrap();
+    let before = score(&model, &ids);
+    let after = score_with(&model, Some(&out), &ids);
+    let i = before.len() - 2;
+    assert!(
+        after[i] > before[i],
+        "log p(5): {} -> {}",
+        before[i],
+        after[i]
+    );
+    let merged = tmp.path().join("merged");
+    let (ok, _, stderr) = run(trainer()
+        .args(["merge-lora", "--model"])
+        .arg(&model)
+        .arg("--adapter")
+        .arg(&out)
+        .arg("--out")
+        .arg(&merged));
+    assert!(ok, "merge-lora failed: {stderr}");
+    let merged_lp = score(&merged, &ids);
+    let gap = merged_lp
+        .iter()
+        .zip(&after)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        gap < 1e-4,
+        "merged model differs from model + adapter by {gap:e}"
+    );
+
+    // --resume continues the adapter and its optimizer state (no new data: no steps).
+    let out2 = tmp.path().join("adapter-2");
+    let (ok, stdout, stderr) = run(&mut train(
+        &out2,
+        &config(8),
+        &["--resume", out.to_str().unwrap()],
+    ));
+    assert!(ok, "resumed run failed: {stderr}\n{stdout}");
+    let m2 = read_json(&out2.join("manifest.json"));
+    assert_eq!(m2["resumed"]["from"], out.display().to_string());
+    assert_eq!(m2["checkpoint"]["global_step"], 2);
+    assert_eq!(
+        std::fs::read(out2.join("adapter_model.safetensors")).unwrap(),
+        adapter,
+        "no step, same adapter"
+    );
+    // A config that asks for another adapter shape is refused, naming both.
+    let (ok, _, stderr) = run(&mut train(
+        &tmp.path().join("adapter-3"),
+        &config(4),
+        &["--resume", out.to_str().unwrap()],
+    ));
+    assert!(!ok);
+    assert!(
+        stderr.contains("[train.lora]") && stderr.contains("rank: 8"),
+        "{stderr}"
+    );
+    // --resume of a directory without optimizer state says what to do.
+    let (ok, _, stderr) = run(&mut train(
+        &tmp.path().join("adapter-4"),
+        &config(8),
+        &["--resume", merged.to_str().unwrap()],
+    ));
+    assert!(!ok);
+    assert!(
+        stderr.contains("full checkpoint") && stderr.contains("[train.lora]"),
+        "{stderr}"
+    );
 }

@@ -298,7 +298,12 @@ pub fn run(
         peak_rss_bytes: peak_rss,
         trainable_parameters: trainable,
         optimizer_state_bytes: optimizer.state_bytes(),
-        mode: if options.lora.is_some() { "lora" } else { "full" }.into(),
+        mode: if options.lora.is_some() {
+            "lora"
+        } else {
+            "full"
+        }
+        .into(),
         bytes_per_parameter: gpu_peak.unwrap_or(peak_rss) as f64 / parameters as f64,
         gpu_peak_memory_bytes_sampled: gpu_peak,
     })

@@ -204,8 +204,8 @@ pub fn read_config(dir: &Path) -> Result<LoraOptions, AdapterError> {
         field: name.to_owned(),
         message,
     };
-    let value: Value = serde_json::from_str(&text)
-        .map_err(|e| field("(file)", format!("not JSON: {e}")))?;
+    let value: Value =
+        serde_json::from_str(&text).map_err(|e| field("(file)", format!("not JSON: {e}")))?;
     let Value::Object(c) = value else {
         return Err(field("(file)", "not a JSON object".into()));
     };

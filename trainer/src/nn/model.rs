@@ -587,10 +587,10 @@ impl Transformer {
                         continue;
                     };
                     if let Some(l) = proj.lora.take() {
-                        let delta = l.b.to_kind(Kind::Float).matmul(&l.a.to_kind(Kind::Float))
-                            * l.scaling;
-                        let merged = (proj.weight.to_kind(Kind::Float) + delta)
-                            .to_kind(proj.weight.kind());
+                        let delta =
+                            l.b.to_kind(Kind::Float).matmul(&l.a.to_kind(Kind::Float)) * l.scaling;
+                        let merged =
+                            (proj.weight.to_kind(Kind::Float) + delta).to_kind(proj.weight.kind());
                         proj.weight = merged;
                     }
                 }

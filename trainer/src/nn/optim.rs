@@ -387,7 +387,8 @@ impl AdamW {
         }
         drop(bytes);
         let file = Checkpoint::open_file(&tensors_path)?;
-        let hint = "(the state is from another model or mode; pass --fresh-optimizer to start a new one)";
+        let hint =
+            "(the state is from another model or mode; pass --fresh-optimizer to start a new one)";
         let mut expected = std::collections::BTreeSet::new();
         let mut loaded = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
@@ -400,9 +401,7 @@ impl AdamW {
                     None => Ok(None),
                     Some(found) if found != shape.as_slice() => Err(mismatch(
                         &tensors_path,
-                        format!(
-                            "{name} has shape {found:?} but the parameter is {shape:?} {hint}"
-                        ),
+                        format!("{name} has shape {found:?} but the parameter is {shape:?} {hint}"),
                     )),
                     Some(_) => Ok(Some(file.load(&name, &shape, Kind::Float, device)?)),
                 }
@@ -578,7 +577,10 @@ mod tests {
         let info = first.save_state(dir.path()).unwrap();
         assert_eq!((info.step, info.parameters.len()), (3, 2));
         assert!(info.parameters[0].master && !info.parameters[1].master);
-        let (a3, b3) = (a2.detach().copy().set_requires_grad(true), b2.detach().copy().set_requires_grad(true));
+        let (a3, b3) = (
+            a2.detach().copy().set_requires_grad(true),
+            b2.detach().copy().set_requires_grad(true),
+        );
         let mut second = AdamW::new(named(&a3, &b3), 0.9, 0.999, 1e-8, 0.1);
         second.load_state(dir.path()).unwrap();
         steps(&mut second, &a3, &b3, 3);

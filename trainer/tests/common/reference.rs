@@ -153,7 +153,6 @@ pub fn mini(sequences: Vec<TrainSequence>) -> MiniBatch {
     }
 }
 
-
 /// Clears the gradients of the trainable parameters.
 pub fn zero_grads(model: &Transformer) {
     for (_, mut t) in model.trainable_parameters() {
