@@ -16,8 +16,8 @@ use std::time::Instant;
 
 use http::StatusCode;
 use serde_json::Map;
-use tapline_trainer::nn::Transformer;
 use tapline_trainer::nn::model::KvCache;
+use tapline_trainer::nn::{Transformer, lora};
 use tapline_trainer::{Model, ModelOptions, tokenize};
 use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
@@ -68,6 +68,9 @@ pub struct Settings {
     pub max_tokens_default: u32,
     /// Seed of requests that bring none, with a counter.
     pub seed: u64,
+    /// Base model of LoRA adapter directories [default: the adapter's
+    /// `base_model_name_or_path`].
+    pub base_model: Option<PathBuf>,
 }
 
 /// The end of a generation.
@@ -165,8 +168,26 @@ impl Policy {
     fn load(dir: &Path, version: String, settings: &Settings) -> Result<Policy, String> {
         let started = Instant::now();
         let model = Model::load(dir, &ModelOptions::default()).map_err(|e| e.to_string())?;
-        let net = Transformer::load(dir, settings.device, settings.kind)
-            .map_err(|e| format!("model directory {}: {e}", dir.display()))?;
+        let net = if lora::is_adapter_dir(dir) {
+            // A LoRA adapter (a PEFT directory, as a LoRA training run writes it) on its
+            // base model; the adapter directory carries the tokenizer and template.
+            let base = settings
+                .base_model
+                .clone()
+                .or_else(|| lora::base_model_of(dir))
+                .ok_or_else(|| {
+                    format!(
+                        "adapter directory {}: its adapter_config.json names no base model; pass --base-model",
+                        dir.display()
+                    )
+                })?;
+            lora::load_with_adapter(&base, dir, settings.device, settings.kind)
+                .map_err(|e| format!("adapter directory {}: {e}", dir.display()))?
+                .0
+        } else {
+            Transformer::load(dir, settings.device, settings.kind)
+                .map_err(|e| format!("model directory {}: {e}", dir.display()))?
+        };
         let info = Loaded {
             dir: std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf()),
             version,

@@ -33,9 +33,14 @@ use clap::Parser;
     about = "OpenAI-compatible chat completions over the tapline trainer's model code, for local loops and tests."
 )]
 struct Cli {
-    /// Hugging Face model directory (config.json, safetensors, tokenizer, chat template).
+    /// Hugging Face model directory (config.json, safetensors, tokenizer, chat template),
+    /// or a LoRA adapter directory (PEFT format, as `tapline-trainer train` writes it
+    /// with `[train.lora]`), served on its base model.
     #[arg(long)]
     model: PathBuf,
+    /// Base model of adapter directories [default: their `base_model_name_or_path`].
+    #[arg(long)]
+    base_model: Option<PathBuf>,
     /// Address to listen on (port 0: any free port; the first log line says which).
     #[arg(long, default_value = "127.0.0.1:8300")]
     listen: SocketAddr,
@@ -95,6 +100,7 @@ fn main() -> anyhow::Result<()> {
             kind,
             max_tokens_default: cli.max_tokens_default,
             seed: cli.seed,
+            base_model: cli.base_model.clone(),
         },
     )?;
     let load_secs = load_started.elapsed().as_secs_f64();

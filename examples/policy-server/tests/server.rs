@@ -15,6 +15,7 @@ use tapline_proto::Api;
 use tapline_sidecar::config::UpstreamKind;
 use tapline_sidecar::proxy::{inject, strip_injected};
 use tapline_sidecar::rebuild::rebuild;
+use tapline_trainer::nn::lora::{self, LoraOptions};
 use tapline_trainer::nn::{Transformer, checkpoint};
 use tapline_trainer::tokenize::{self, ChatRequest};
 use tapline_trainer::{Model, ModelOptions};
@@ -610,5 +611,63 @@ async fn reload_and_watch_swap_the_weights() {
     assert_eq!(
         server.get("/health").await["version"],
         "smollm2-135m-instruct"
+    );
+}
+
+/// A LoRA adapter directory (as a `[train.lora]` run writes it) loads on the base model
+/// its config names, and generates with the adapter's log-probs.
+#[tokio::test]
+async fn an_adapter_directory_is_served_on_its_base_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = tmp.path().join("adapter-000001");
+    let mut net = Transformer::load(&smollm2(), tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let settings = LoraOptions {
+        rank: 4,
+        alpha: 8.0,
+        ..LoraOptions::default()
+    };
+    lora::attach_new(&mut net, &settings, 3);
+    tch::no_grad(|| {
+        for (name, mut t) in net.named_adapters() {
+            if name.contains("lora_B") {
+                t += t.randn_like() * 0.05;
+            }
+        }
+    });
+    let base = smollm2().canonicalize().unwrap();
+    lora::save(&net, &settings, base.to_str().unwrap(), &adapter).unwrap();
+    checkpoint::copy_model_files(&base, &adapter).unwrap();
+
+    let server = Server::start(&[]);
+    let (status, _, body) = server.post("/v1/reload", &json!({"path": adapter})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["version"], "adapter-000001");
+    let request = json!({
+        "messages": question(), "temperature": 0, "max_tokens": 6,
+        "logprobs": true, "return_token_ids": true,
+    });
+    let (version, v) = server.complete(&request).await;
+    assert_eq!(version, "adapter-000001");
+    let mut sequence = ids(&v["prompt_token_ids"]);
+    let prompt_len = sequence.len();
+    sequence.extend(ids(&v["choices"][0]["token_ids"]));
+    let full = net.sequence_logprobs(&sequence, 64).unwrap();
+    let plain = Transformer::load(&smollm2(), tch::Device::Cpu, tch::Kind::Float)
+        .unwrap()
+        .sequence_logprobs(&sequence, 64)
+        .unwrap();
+    let served = logprobs(&v["choices"][0]);
+    for (i, (ours, theirs)) in served.iter().zip(&full[prompt_len - 1..]).enumerate() {
+        assert!(
+            (ours - f64::from(*theirs)).abs() < 1e-4,
+            "token {i}: server {ours}, model + adapter {theirs}"
+        );
+    }
+    assert!(
+        served
+            .iter()
+            .zip(&plain[prompt_len - 1..])
+            .any(|(a, b)| (a - f64::from(*b)).abs() > 1e-3),
+        "the adapter changes nothing"
     );
 }
