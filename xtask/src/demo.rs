@@ -43,6 +43,7 @@ struct Options {
     lr: f64,
     seed: u64,
     smoke: bool,
+    lora: bool,
 }
 
 impl Options {
@@ -55,7 +56,9 @@ impl Options {
             lr: 3e-5,
             seed: 0,
             smoke: false,
+            lora: false,
         };
+        let mut lr_given = false;
         let mut it = args.iter().filter(|a| *a != "--");
         while let Some(flag) = it.next() {
             let mut value = |name: &str| {
@@ -68,7 +71,11 @@ impl Options {
                 "--tasks" => o.tasks = value(flag)?.parse()?,
                 "--group-size" => o.group_size = value(flag)?.parse()?,
                 "--max-tokens" => o.max_tokens = value(flag)?.parse()?,
-                "--lr" => o.lr = value(flag)?.parse()?,
+                "--lr" => {
+                    o.lr = value(flag)?.parse()?;
+                    lr_given = true;
+                }
+                "--lora" => o.lora = true,
                 "--seed" => o.seed = value(flag)?.parse()?,
                 "--smoke" => {
                     o.smoke = true;
@@ -78,9 +85,13 @@ impl Options {
                     o.max_tokens = 8;
                 }
                 other => bail!(
-                    "unknown demo flag {other:?} (flags: --iterations N --tasks N --group-size N --max-tokens N --lr X --seed N --smoke)"
+                    "unknown demo flag {other:?} (flags: --iterations N --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)"
                 ),
             }
+        }
+        if o.lora && !lr_given {
+            // LoRA learning rates are about 10x a full fine-tune's.
+            o.lr *= 10.0;
         }
         ensure!(o.iterations >= 2, "--iterations must be at least 2");
         ensure!(
@@ -301,8 +312,14 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     std::fs::write(
         &config,
         format!(
-            "run = \"demo\"\n[clean]\nmax_seq_len = 1024\n[schedule]\nmicro_batch_tokens = 2048\nmini_batch_episodes = 4\n[train]\nlr = {}\nweight_decay = 0.0\nseed = {}\n",
-            o.lr, o.seed
+            "run = \"demo\"\n[clean]\nmax_seq_len = 1024\n[schedule]\nmicro_batch_tokens = 2048\nmini_batch_episodes = 4\n[train]\nlr = {}\nweight_decay = 0.0\nseed = {}\n{}",
+            o.lr,
+            o.seed,
+            if o.lora {
+                "[train.lora]\nrank = 16\nalpha = 32\n"
+            } else {
+                ""
+            }
         ),
     )?;
 
@@ -358,8 +375,13 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         "demo: SmolLM2-135M-Instruct served by the policy server at {policy}, sidecar at {sidecar}, records in {store}"
     );
     println!(
-        "demo: {} iterations x {} tasks x {} episodes (2 calls each), lr {}, seed {}",
-        o.iterations, o.tasks, o.group_size, o.lr, o.seed
+        "demo: {} iterations x {} tasks x {} episodes (2 calls each), {}lr {}, seed {}",
+        o.iterations,
+        o.tasks,
+        o.group_size,
+        if o.lora { "LoRA r 16, " } else { "" },
+        o.lr,
+        o.seed
     );
 
     let start_sha = sha256_file(&model.join("model.safetensors"))?;
@@ -422,9 +444,18 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(200));
             }
             let ckpt = checkpoints.join(format!("iter-{k:03}"));
-            let trained = Command::new(bin("tapline-trainer"))
-                .args(["train", "--store", &store, "--model"])
-                .arg(&current)
+            let mut train = Command::new(bin("tapline-trainer"));
+            train.args(["train", "--store", &store, "--model"]);
+            if o.lora {
+                // The base model stays; each run continues the previous run's adapter.
+                train.arg(&model);
+                if current != model {
+                    train.arg("--adapter").arg(&current);
+                }
+            } else {
+                train.arg(&current);
+            }
+            let trained = train
                 .arg("--out")
                 .arg(&ckpt)
                 .arg("--config")

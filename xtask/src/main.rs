@@ -5,8 +5,9 @@
 //!   one test command: CI (`.ci/run`) calls it, and README.md names it.
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
-//!   training steps of 0.5B and 1.7B Qwen-shaped models (random weights) with bf16 on
-//!   CUDA; prints tokens/s and MFU.
+//!   training steps of 0.5B, 1.7B and 8B Qwen-shaped models (random weights) with bf16 on
+//!   CUDA, full fine-tune and LoRA (LoRA only for 8B, whose full update does not fit one
+//!   GPU); prints tokens/s, MFU and peak memory per parameter.
 //!
 //! Everything this installs goes under `.cache/` at the repository root (git-ignored), so
 //! a second run is fast and `rm -rf .cache` starts over.
@@ -26,7 +27,7 @@ const USAGE: &str = "usage: cargo xtask <command>
 commands:
   test    install what is missing, then fmt check, clippy and every test
   demo       run the closed training loop on this machine (flags: --iterations N
-             --tasks N --group-size N --max-tokens N --lr X --seed N --smoke)
+             --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)";
 
 fn main() -> anyhow::Result<()> {
@@ -125,7 +126,8 @@ pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
 }
 
 /// `cargo xtask gpu-check [-- extra bench-update flags]`: release build of the trainer,
-/// then `tapline-trainer bench-update` on CUDA for Qwen2.5-0.5B and Qwen3-1.7B shapes.
+/// then `tapline-trainer bench-update` on CUDA for Qwen2.5-0.5B, Qwen3-1.7B and Qwen3-8B
+/// shapes, full and LoRA (rank 16).
 fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let python = step("python environment (torch)", || ensure_venv(root))?;
     step("cargo build --release -p tapline-trainer", || {
@@ -141,11 +143,17 @@ fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         .position(|a| *a == "--device")
         .and_then(|i| extra.get(i + 1))
         .map_or("cuda", |d| d.as_str());
-    for (preset, sequences, seq_len, recompute) in [
-        ("qwen2.5-0.5b", "8", "2048", false),
-        ("qwen3-1.7b", "8", "2048", true),
+    for (preset, sequences, seq_len, recompute, lora) in [
+        ("qwen2.5-0.5b", "8", "2048", false, false),
+        ("qwen2.5-0.5b", "8", "2048", false, true),
+        ("qwen3-1.7b", "8", "2048", true, false),
+        ("qwen3-1.7b", "8", "2048", true, true),
+        // Full: ~16 bytes per parameter of weights, gradients, fp32 masters and moments
+        // (131 GB) before activations: LoRA only.
+        ("qwen3-8b", "4", "2048", true, true),
     ] {
-        step(&format!("bench-update {preset} on {device}"), || {
+        let mode = if lora { "LoRA" } else { "full" };
+        step(&format!("bench-update {preset} {mode} on {device}"), || {
             let mut cmd = Command::new(&trainer);
             cmd.args(["bench-update", "--preset", preset, "--sequences", sequences])
                 .args(["--seq-len", seq_len, "--warmup", "2", "--steps", "5"]);
@@ -154,6 +162,9 @@ fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
             }
             if recompute {
                 cmd.arg("--recompute");
+            }
+            if lora {
+                cmd.arg("--lora");
             }
             cmd.args(extra.iter().map(|s| s.as_str()));
             run(&mut cmd).context(
