@@ -224,6 +224,12 @@ fn spawn(
 
 fn sha256_file(path: &Path) -> anyhow::Result<String> {
     let out = Command::new("sha256sum").arg(path).output()?;
+    ensure!(
+        out.status.success(),
+        "sha256sum {}: {}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
     Ok(String::from_utf8_lossy(&out.stdout)
         .split_whitespace()
         .next()
@@ -375,7 +381,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         "demo: SmolLM2-135M-Instruct served by the policy server at {policy}, sidecar at {sidecar}, records in {store}"
     );
     println!(
-        "demo: {} iterations x {} tasks x {} episodes (2 calls each), {}lr {}, seed {}",
+        "demo: {} iterations x {} tasks x {} episodes (2 calls each), {}lr {:.1e}, seed {}",
         o.iterations,
         o.tasks,
         o.group_size,
@@ -540,7 +546,13 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             "the trainer made no batch from the first iteration: {}",
             first["report"]
         );
-        let sha = sha256_file(&checkpoints.join("iter-000/model.safetensors"))?;
+        // A LoRA run writes an adapter (new by construction); a full run new weights.
+        let weights = if o.lora {
+            "adapter_model.safetensors"
+        } else {
+            "model.safetensors"
+        };
+        let sha = sha256_file(&checkpoints.join("iter-000").join(weights))?;
         ensure!(
             sha != start_sha,
             "the checkpoint equals the starting weights"
@@ -557,7 +569,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         println!(
             "demo smoke: {segments} segments, {} steps, checkpoint {}, policy server serves {version}",
             first["steps"].as_array().map_or(0, Vec::len),
-            &sha[..12]
+            sha.get(..12).unwrap_or(&sha)
         );
     }
     println!(
