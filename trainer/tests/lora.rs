@@ -6,8 +6,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 
+use common::cli::{score_with, trainer};
 use common::reference::*;
 use serde_json::{Value, json};
 use tapline_trainer::nn::Transformer;
@@ -201,10 +201,6 @@ fn adapter_gradients_equal_peft_and_do_not_depend_on_the_split() {
     }
 }
 
-fn trainer() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tapline-trainer"))
-}
-
 fn tensors(path: &Path) -> Vec<(String, Tensor)> {
     let file = Checkpoint::open_file(path).unwrap();
     file.names()
@@ -216,34 +212,6 @@ fn tensors(path: &Path) -> Vec<(String, Tensor)> {
             )
         })
         .collect()
-}
-
-fn score_cli(base: &Path, adapter: &Path, ids: &[u32]) -> Vec<f64> {
-    use std::io::Write as _;
-    let mut child = trainer()
-        .args(["score", "--model"])
-        .arg(base)
-        .arg("--adapter")
-        .arg(adapter)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(json!({ "ids": ids }).to_string().as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "score --adapter: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    serde_json::from_value(v["logprobs"].clone()).unwrap()
 }
 
 #[test]
@@ -316,7 +284,7 @@ fn a_trained_adapter_loads_in_peft_and_merges_as_peft_does() {
     let theirs = peft_logprobs(base.path(), out.path(), std::slice::from_ref(&ids));
     let diff = max_diff(&ours, &theirs[0]);
     assert!(diff <= TOLERANCE, "PeftModel differs by {diff:e}");
-    let cli = score_cli(base.path(), out.path(), &ids);
+    let cli = score_with(base.path(), Some(out.path()), &ids);
     let diff = max_diff(&ours, &cli);
     assert!(diff <= 1e-6, "score --adapter differs by {diff:e}");
 

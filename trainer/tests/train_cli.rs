@@ -5,18 +5,14 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
+use common::cli::{run_score_with, score_with, trainer};
 use common::traces::{Trace, Turn};
 use serde_json::{Value, json};
 use tapline_proto::Outcome;
 use tapline_proto::store::open_store;
 
 const T0: i64 = 1_780_000_000_000_000_000;
-
-fn trainer() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tapline-trainer"))
-}
 
 fn answer(text: &str) -> Turn {
     Turn {
@@ -76,7 +72,7 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).expect("read file")).expect("JSON file")
 }
 
-fn run(cmd: &mut Command) -> (bool, String, String) {
+fn run(cmd: &mut std::process::Command) -> (bool, String, String) {
     let out = cmd.output().expect("run tapline-trainer");
     (
         out.status.success(),
@@ -90,41 +86,8 @@ fn run_score(model: &Path, input: &str) -> std::process::Output {
     run_score_with(model, None, input)
 }
 
-fn run_score_with(model: &Path, adapter: Option<&Path>, input: &str) -> std::process::Output {
-    use std::io::Write as _;
-    let mut cmd = trainer();
-    cmd.args(["score", "--model"]).arg(model);
-    if let Some(adapter) = adapter {
-        cmd.arg("--adapter").arg(adapter);
-    }
-    let mut child = cmd
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
-
 fn score(model: &Path, ids: &[u32]) -> Vec<f64> {
     score_with(model, None, ids)
-}
-
-fn score_with(model: &Path, adapter: Option<&Path>, ids: &[u32]) -> Vec<f64> {
-    let out = run_score_with(model, adapter, &json!({ "ids": ids }).to_string());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    serde_json::from_value(v["logprobs"].clone()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

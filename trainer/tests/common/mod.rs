@@ -10,6 +10,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+pub mod cli;
 pub mod reference;
 pub mod traces;
 
