@@ -14,10 +14,14 @@
 //!
 //! The reader streams: it holds one input buffer, the zstd window (capped by
 //! [`Limits::max_window_log`]) and at most one record (capped by
-//! [`Limits::max_record_bytes`]), whatever the size of the object. A streaming reader
-//! hands records out before it has seen the trailer, so a record is only known to be
-//! good once [`SegmentReader::next_record`] has returned `Ok(None)`; [`decode_segment`]
-//! returns nothing unless the whole object verified.
+//! [`Limits::max_record_bytes`]), whatever the size of the object. A record larger than
+//! that limit is skipped, not the segment: its length prefix says where the next record
+//! starts, its bytes are decompressed and checksummed but never held, and the reader
+//! names it ([`SegmentReader::skipped`]) so the records around it are not lost with it.
+//! A streaming reader hands records out before it has seen the trailer, so a record is
+//! only known to be good once [`SegmentReader::next_record`] has returned `Ok(None)`;
+//! [`read_segment`] and [`decode_segment`] return nothing unless the whole object
+//! verified.
 
 use std::io::{self, Read, Write};
 
@@ -247,14 +251,63 @@ pub fn encode_segment<'a>(
     writer.finish()
 }
 
-/// Decodes a whole segment object; returns the records only if every check passed.
-pub fn decode_segment(bytes: &[u8], limits: Limits) -> Result<Vec<Record>, SegmentError> {
+/// A record the reader passed over because it is larger than
+/// [`Limits::max_record_bytes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedRecord {
+    /// Its position in the segment (0-based, counting every record).
+    pub index: u64,
+    /// Its encoded size in bytes.
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for SkippedRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "record {} ({} bytes) is larger than the reader's limit and was skipped",
+            self.index, self.bytes
+        )
+    }
+}
+
+/// The records of a verified segment object, and those skipped as too large.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SegmentContents {
+    /// Every record the reader could hold, in order.
+    pub records: Vec<Record>,
+    /// Records over [`Limits::max_record_bytes`], passed over.
+    pub skipped: Vec<SkippedRecord>,
+}
+
+/// Reads a whole segment object: its records and the oversized ones it skipped, only if
+/// every check of the object passed.
+pub fn read_segment(bytes: &[u8], limits: Limits) -> Result<SegmentContents, SegmentError> {
     let mut reader = SegmentReader::new(bytes, limits)?;
     let mut records = Vec::new();
     while let Some(record) = reader.next_record()? {
         records.push(record);
     }
-    Ok(records)
+    Ok(SegmentContents {
+        records,
+        skipped: reader.skipped,
+    })
+}
+
+/// Decodes a whole segment object; returns the records only if every check passed and
+/// no record exceeded [`Limits::max_record_bytes`] (use [`read_segment`] to read the
+/// others).
+pub fn decode_segment(bytes: &[u8], limits: Limits) -> Result<Vec<Record>, SegmentError> {
+    let contents = read_segment(bytes, limits)?;
+    if let Some(first) = contents.skipped.first() {
+        return Err(SegmentError::LimitExceeded {
+            detail: format!(
+                "record {} is {} bytes, more than the limit of {} bytes",
+                first.index, first.bytes, limits.max_record_bytes
+            ),
+        });
+    }
+    Ok(contents.records)
 }
 
 const INPUT_CHUNK: usize = 64 << 10;
@@ -278,6 +331,9 @@ pub struct SegmentReader<R> {
     crc: u32,
     records: u64,
     body_bytes: u64,
+    /// Bytes of an oversized record still to pass over.
+    skipping: u64,
+    skipped: Vec<SkippedRecord>,
 }
 
 impl<R> std::fmt::Debug for SegmentReader<R> {
@@ -353,12 +409,19 @@ impl<R: Read> SegmentReader<R> {
             crc: crc32c::crc32c(&h),
             records: 0,
             body_bytes: 0,
+            skipping: 0,
+            skipped: Vec::new(),
         })
     }
 
-    /// Number of records returned so far.
+    /// Number of records passed so far (returned or skipped).
     pub fn records_read(&self) -> u64 {
         self.records
+    }
+
+    /// Records skipped so far as larger than [`Limits::max_record_bytes`].
+    pub fn skipped(&self) -> &[SkippedRecord] {
+        &self.skipped
     }
 
     /// Returns the next record, `Ok(None)` once the trailer verified, or the first error.
@@ -376,19 +439,31 @@ impl<R: Read> SegmentReader<R> {
 
     fn next_inner(&mut self) -> Result<Option<Record>, SegmentError> {
         loop {
+            if self.skipping > 0 {
+                // Pass over what is decompressed of an oversized record, never holding it.
+                let available = (self.output.len() - self.output_pos) as u64;
+                let take = available.min(self.skipping);
+                self.output_pos += take as usize;
+                self.skipping -= take;
+                if self.skipping == 0 {
+                    self.records += 1;
+                    continue;
+                }
+            }
             let pending = &self.output[self.output_pos..];
             match decode_varint(pending) {
-                Varint::Invalid => {
+                Varint::Invalid if self.skipping == 0 => {
                     return Err(SegmentError::corrupted("invalid record length prefix"));
                 }
-                Varint::Value(len, prefix) => {
+                Varint::Value(len, prefix) if self.skipping == 0 => {
                     if len > self.limits.max_record_bytes as u64 {
-                        return Err(SegmentError::LimitExceeded {
-                            detail: format!(
-                                "record {} is {len} bytes, more than the limit of {} bytes",
-                                self.records, self.limits.max_record_bytes
-                            ),
+                        self.skipped.push(SkippedRecord {
+                            index: self.records,
+                            bytes: len,
                         });
+                        self.output_pos += prefix;
+                        self.skipping = len;
+                        continue;
                     }
                     let end = prefix + len as usize;
                     if pending.len() >= end {
@@ -403,10 +478,10 @@ impl<R: Read> SegmentReader<R> {
                         return Ok(Some(record));
                     }
                 }
-                Varint::Incomplete => {}
+                Varint::Incomplete | Varint::Invalid | Varint::Value(..) => {}
             }
             if self.frame_done {
-                if self.output_pos < self.output.len() {
+                if self.output_pos < self.output.len() || self.skipping > 0 {
                     return Err(SegmentError::corrupted("body ends inside a record"));
                 }
                 self.read_trailer()?;

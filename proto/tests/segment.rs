@@ -1,8 +1,10 @@
 //! Round-trip, corruption and truncation tests of the segment format.
 
 use proptest::prelude::*;
+use prost::Message as _;
 use tapline_proto::segment::{
-    self, Limits, SegmentError, SegmentReader, decode_segment, encode_segment,
+    self, Limits, SegmentError, SegmentReader, SkippedRecord, decode_segment, encode_segment,
+    read_segment,
 };
 use tapline_proto::{
     Api, Completion, EndStatus, EpisodeEvent, EpisodeEventKind, LlmCall, Outcome, Record,
@@ -196,6 +198,64 @@ fn limits_cap_memory() {
     assert!(matches!(err, SegmentError::LimitExceeded { .. }), "{err}");
 }
 
+/// Regression: one record over the reader's limit made the whole segment unreadable,
+/// and the small calls that shared it were lost with it.
+#[test]
+fn an_oversized_record_is_skipped_not_its_neighbours() {
+    let sizes = [100, 120_000, 200, 90_000, 300];
+    let records: Vec<Record> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| call(i as u64 + 1, *n))
+        .collect();
+    let (bytes, _) = encode_segment(&records, 3).unwrap();
+    let limits = Limits {
+        max_record_bytes: 50_000,
+        ..Limits::default()
+    };
+    let expected_skipped: Vec<SkippedRecord> = [1usize, 3]
+        .iter()
+        .map(|&i| SkippedRecord {
+            index: i as u64,
+            bytes: records[i].encoded_len() as u64,
+        })
+        .collect();
+    let contents = read_segment(&bytes, limits).unwrap();
+    assert_eq!(
+        contents.records,
+        vec![records[0].clone(), records[2].clone(), records[4].clone()]
+    );
+    assert_eq!(contents.skipped, expected_skipped);
+    assert!(contents.skipped[0].to_string().contains("record 1 ("));
+    // Streaming a few bytes at a time gives the same, holding no skipped record.
+    struct Trickle<'a>(&'a [u8]);
+    impl std::io::Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.0.len().min(buf.len()).min(5);
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+    let mut reader = SegmentReader::new(Trickle(&bytes), limits).unwrap();
+    let mut got = Vec::new();
+    while let Some(r) = reader.next_record().unwrap() {
+        got.push(r);
+    }
+    assert_eq!(got, contents.records);
+    assert_eq!(reader.skipped(), &expected_skipped[..]);
+    assert_eq!(reader.records_read(), 5);
+    // The strict decoder still refuses the segment, naming the record.
+    let err = decode_segment(&bytes, limits).unwrap_err().to_string();
+    assert!(err.contains("record 1 is"), "{err}");
+    // Damage inside a skipped record is still caught by the trailer's checks.
+    for pos in [segment::HEADER_LEN + 10, bytes.len() / 2] {
+        let mut bad = bytes.clone();
+        bad[pos] ^= 0x40;
+        assert!(read_segment(&bad, limits).is_err(), "flip at {pos}");
+    }
+}
+
 #[test]
 fn a_reader_stops_after_its_first_error() {
     let (bytes, _) = encode_segment(&sample_records(), 3).unwrap();
@@ -293,5 +353,27 @@ proptest! {
         let pos = ((bytes.len() as f64) * pos_frac) as usize % bytes.len();
         bytes[pos] ^= flip;
         prop_assert!(decode_segment(&bytes, Limits::default()).is_err());
+        let small = Limits { max_record_bytes: 64, ..Limits::default() };
+        prop_assert!(read_segment(&bytes, small).is_err());
+    }
+
+    /// Whatever the limit, the reader returns exactly the records within it, in order,
+    /// and names every other one.
+    #[test]
+    fn records_over_the_limit_are_skipped_and_named(
+        records in proptest::collection::vec(arb_record(), 0..30),
+        limit in 0usize..400,
+    ) {
+        let (bytes, _) = encode_segment(&records, 3).unwrap();
+        let contents = read_segment(&bytes, Limits { max_record_bytes: limit, ..Limits::default() }).unwrap();
+        let kept: Vec<Record> = records.iter().filter(|r| r.encoded_len() <= limit).cloned().collect();
+        let skipped: Vec<SkippedRecord> = records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.encoded_len() > limit)
+            .map(|(i, r)| SkippedRecord { index: i as u64, bytes: r.encoded_len() as u64 })
+            .collect();
+        prop_assert_eq!(contents.records, kept);
+        prop_assert_eq!(contents.skipped, skipped);
     }
 }

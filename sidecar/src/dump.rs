@@ -2,7 +2,8 @@
 //!
 //! Segments are read in key order (time, then sidecar, then sequence). A segment that
 //! fails to read is reported on stderr with its key and the reason, the others are still
-//! printed, and the command fails at the end so a script notices.
+//! printed, and the command fails at the end so a script notices. A record over the
+//! reader's limit is reported the same way, and the rest of its segment is printed.
 
 use std::io::Write;
 
@@ -11,7 +12,7 @@ use futures::TryStreamExt;
 use object_store::path::Path;
 use tapline_proto::json::record_to_json;
 use tapline_proto::keys::{SegmentKey, segments_root};
-use tapline_proto::segment::{Limits, decode_segment};
+use tapline_proto::segment::{Limits, read_segment};
 use tapline_proto::store::StoreLocation;
 
 /// What a dump saw.
@@ -23,6 +24,9 @@ pub struct DumpSummary {
     pub records: usize,
     /// Segments that could not be read.
     pub failed_segments: usize,
+    /// Records passed over as larger than the reader's limit (their segments were
+    /// printed).
+    pub oversized_records: usize,
     /// Objects under the segments directory that are not segment keys (skipped).
     pub foreign_objects: usize,
 }
@@ -63,11 +67,16 @@ pub async fn dump(
             Ok(get) => get.bytes().await,
             Err(e) => Err(e),
         };
-        let records = bytes
+        let contents = bytes
             .map_err(anyhow::Error::from)
-            .and_then(|b| decode_segment(&b, Limits::default()).map_err(anyhow::Error::from));
-        match records {
-            Ok(records) => {
+            .and_then(|b| read_segment(&b, Limits::default()).map_err(anyhow::Error::from));
+        match contents {
+            Ok(contents) => {
+                for skipped in &contents.skipped {
+                    summary.oversized_records += 1;
+                    eprintln!("dump: segment {key}: {skipped}");
+                }
+                let records = contents.records;
                 for record in &records {
                     let mut value = record_to_json(record);
                     value["segment"] = serde_json::Value::String(key.to_string());
@@ -84,6 +93,12 @@ pub async fn dump(
         }
     }
     out.flush()?;
+    if summary.oversized_records > 0 && summary.failed_segments == 0 {
+        bail!(
+            "{} record(s) were larger than the reader's limit and were skipped (see the messages above); every other record was printed",
+            summary.oversized_records
+        );
+    }
     if summary.failed_segments > 0 {
         bail!(
             "{} of {} segments could not be read (see the messages above)",

@@ -133,3 +133,51 @@ fn an_unknown_store_scheme_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported scheme"));
 }
+
+/// Regression: one record over the reader's 64 MiB limit made `dump` refuse its whole
+/// segment, so the small records beside it were not printed either.
+#[test]
+fn an_oversized_record_is_named_and_its_neighbours_are_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let t0 = 1_796_204_942_000_000_000;
+    let reward = |seq: u64| {
+        Record::new(
+            "s",
+            seq,
+            t0,
+            RecordKind::Reward(Reward {
+                reward_id: format!("r{seq}"),
+                value: 1.0,
+                ..Default::default()
+            }),
+        )
+    };
+    let huge = Record::new(
+        "s",
+        2,
+        t0,
+        RecordKind::LlmCall(LlmCall {
+            span_id: "big".into(),
+            request_body: vec![b'a'; 65 << 20],
+            ..Default::default()
+        }),
+    );
+    write_segment(dir.path(), "s", 1, &[reward(1), huge, reward(3)]);
+    let out = dump(&["--store", dir.path().to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a skipped record fails the command");
+    assert!(
+        stderr.contains("0000000000000001.tlseg") && stderr.contains("record 1 ("),
+        "{stderr}"
+    );
+    let printed: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ids: Vec<&str> = printed
+        .iter()
+        .map(|v| v["reward"]["reward_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["r1", "r3"]);
+}

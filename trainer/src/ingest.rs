@@ -33,7 +33,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, PutPayload};
 use serde::{Deserialize, Serialize};
 use tapline_proto::keys::{SegmentKey, segments_root};
-use tapline_proto::segment::{Limits, SegmentError, decode_segment};
+use tapline_proto::segment::{Limits, SegmentError, SkippedRecord, read_segment};
 use tapline_proto::store::StoreLocation;
 use tapline_proto::{EpisodeEvent, EpisodeEventKind, LlmCall, Record, RecordKind, Reward};
 
@@ -254,6 +254,9 @@ pub struct StoreRead {
     pub reread_segments: Vec<String>,
     /// Segments skipped because they failed their checks, with the reason.
     pub unreadable_segments: Vec<(String, String)>,
+    /// Records larger than the reader's limit, passed over in segments that were read
+    /// (the rest of each such segment was read).
+    pub oversized_records: Vec<(String, SkippedRecord)>,
     /// Objects under the segments directory that are not segment keys.
     pub foreign_objects: u64,
     /// SHA-256 (hex) of every segment read, by key: the provenance of a run's manifest.
@@ -396,8 +399,12 @@ pub async fn read_store(
             continue;
         }
         read.checksums.insert(rel.clone(), sha256_hex(&bytes));
-        let records = match decode_segment(&bytes, Limits::default()) {
-            Ok(records) => records,
+        let records = match read_segment(&bytes, Limits::default()) {
+            Ok(contents) => {
+                read.oversized_records
+                    .extend(contents.skipped.into_iter().map(|s| (rel.clone(), s)));
+                contents.records
+            }
             Err(source) if options.skip_unreadable_segments => {
                 read.unreadable_segments
                     .push((rel.clone(), source.to_string()));

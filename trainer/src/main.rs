@@ -384,6 +384,15 @@ fn load_and_prepare(
     for (key, reason) in &read.unreadable_segments {
         tracing::warn!(key, reason, "segment skipped as unreadable");
     }
+    r.oversized_records = read.oversized_records.len() as u64;
+    for (key, skipped) in &read.oversized_records {
+        tracing::warn!(
+            key,
+            record = skipped.index,
+            bytes = skipped.bytes,
+            "record skipped: larger than the segment reader's limit; the rest of the segment was read"
+        );
+    }
     Ok(Loaded {
         model,
         config,

@@ -19,6 +19,9 @@ pub struct InputCounts {
     pub reread_segments: u64,
     /// Segments skipped as unreadable (with `ingest.skip_unreadable_segments`).
     pub unreadable_segments: u64,
+    /// Records passed over as larger than the segment reader's limit (64 MiB); the other
+    /// records of their segments were read.
+    pub oversized_records: u64,
     /// Records read, duplicates included.
     pub records: u64,
     /// Records dropped as duplicates of an earlier one (same id).
@@ -217,6 +220,13 @@ impl Report {
                 &mut t,
                 "unreadable segments skipped",
                 i.unreadable_segments.to_string(),
+            );
+        }
+        if i.oversized_records > 0 {
+            row(
+                &mut t,
+                "oversized records skipped",
+                i.oversized_records.to_string(),
             );
         }
         row(&mut t, "records", i.records.to_string());

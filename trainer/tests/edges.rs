@@ -197,3 +197,54 @@ async fn corrupt_segments_fail_the_run_by_key_unless_skipped() {
     assert_eq!(read.foreign_objects, 1);
     assert_eq!(read.ingested.episodes.len(), 1);
 }
+
+/// Regression: a record over the reader's 64 MiB limit made its whole segment
+/// unreadable, so the small records that shared it were lost with it.
+#[tokio::test]
+async fn a_segment_with_one_oversized_record_still_yields_the_others() {
+    let store = open_store("memory://trainer-edges-oversized").expect("store");
+    let t = 1_796_204_942_000_000_000;
+    let reward = |id: &str| {
+        Record::new(
+            "s",
+            1,
+            t,
+            RecordKind::Reward(Reward {
+                reward_id: id.into(),
+                episode_id: "e".into(),
+                value: 1.0,
+                ..Reward::default()
+            }),
+        )
+    };
+    let huge = Record::new(
+        "s",
+        2,
+        t,
+        RecordKind::LlmCall(tapline_proto::LlmCall {
+            span_id: "big".into(),
+            episode_id: "e".into(),
+            request_body: vec![b'a'; 65 << 20],
+            ..tapline_proto::LlmCall::default()
+        }),
+    );
+    let records = [reward("r1"), huge, reward("r2")];
+    let key = SegmentKey::new("s", 1, t).expect("key");
+    let (bytes, _) = tapline_proto::segment::encode_segment(&records, 3).expect("encode");
+    store
+        .store
+        .put(&key.to_path(&store.prefix), PutPayload::from(bytes))
+        .await
+        .expect("put");
+    let read = read_store(&store, None, &IngestOptions::default())
+        .await
+        .expect("the segment is read");
+    assert!(read.unreadable_segments.is_empty());
+    assert_eq!(read.ingested.records, 2);
+    assert_eq!(read.ingested.episodes[0].rewards.len(), 2);
+    assert_eq!(read.oversized_records.len(), 1);
+    let (skipped_key, skipped) = &read.oversized_records[0];
+    assert_eq!(skipped_key, key.to_path(&store.prefix).as_ref());
+    assert_eq!(skipped.index, 1);
+    assert!(skipped.bytes > 64 << 20);
+}
