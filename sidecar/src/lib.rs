@@ -8,6 +8,7 @@
 //! - [`episodes`]: episode registry and call attribution.
 //! - [`sse`]: incremental server-sent-event framing.
 //! - [`rebuild`]: completions, usage and token ids rebuilt from a response body or stream.
+//! - [`limits`]: what keeps every record within the readers' limits, and how it is cut.
 //! - [`sink`]: the [`sink::RecordSink`] interface, the spool writer and the uploader.
 //! - [`spool`]: the local spool (append-only, checksummed files) and its recovery.
 //! - [`metrics`]: Prometheus counters.
@@ -18,6 +19,7 @@ pub mod control;
 pub mod dump;
 pub mod episodes;
 pub mod json;
+pub mod limits;
 pub mod metrics;
 pub mod proxy;
 pub mod rebuild;

@@ -516,6 +516,15 @@ fn build_segment(
             warned += u64::from(done.warned);
             body_errors += u64::from(done.body_error);
         }
+        // Whatever was recorded, the readers must be able to read it (see `limits`).
+        if let Some(RecordKind::LlmCall(call)) = &mut record.kind
+            && crate::limits::fit_call(call, crate::limits::MAX_RECORD_BYTES)
+        {
+            tracing::warn!(
+                span_id = %call.span_id,
+                "record over the readers' limit: cut to fit (see its capture_warnings)"
+            );
+        }
         writer.append(&record).map_err(std::io::Error::other)?;
         since_yield += prost::Message::encoded_len(&record);
         if since_yield >= 64 << 10 {
@@ -763,6 +772,44 @@ mod tests {
             assert!(metrics.oldest_unacked_nanos.load(Ordering::Relaxed) > 0);
         }
         recorder.shutdown(Duration::from_secs(5)).await;
+    }
+
+    /// Regression: a 30 MB request with a 20 MB streamed answer (each under the capture
+    /// cap) became a ~73 MB record that the readers refused, with its whole segment.
+    #[test]
+    fn a_call_too_large_for_the_readers_is_cut_when_its_segment_is_built() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+        let event = format!(
+            "data: {{\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
+            "x".repeat(1000)
+        );
+        let stream = event.repeat(20_000);
+        let call = LlmCall {
+            request_body: vec![b' '; 30 << 20],
+            request_body_size: 30 << 20,
+            response_body: stream.clone().into_bytes(),
+            response_body_size: stream.len() as u64,
+            ..captured_call()
+        };
+        spool
+            .append("s", 1, &mut Some(RecordKind::LlmCall(call)))
+            .unwrap();
+        let sealed = spool.seal().unwrap().unwrap();
+        let calls = built_calls(&sealed.path, &Metrics::default());
+        let call = &calls[0];
+        assert!(prost::Message::encoded_len(call) <= crate::limits::MAX_RECORD_BYTES);
+        assert_eq!(call.completions[0].text.len(), 20_000 * 1000);
+        assert!(call.response_truncated);
+        assert_eq!(call.response_body_size, stream.len() as u64);
+        assert_eq!(call.request_body.len(), 30 << 20);
+        assert!(
+            call.capture_warnings
+                .iter()
+                .any(|w| w.starts_with("record_too_large: response_body cut")),
+            "{:?}",
+            call.capture_warnings
+        );
     }
 
     #[test]
