@@ -14,6 +14,10 @@
 //! 3. the raw request body (`request_truncated`, `request_body_size` likewise);
 //! 4. the rebuilt completions' text and reasoning.
 //!
+//! Decoding a `content-encoding` of a captured body stops at
+//! [`crate::rebuild::MAX_DECODED_BYTES`] (128 MiB): the completion is then not rebuilt,
+//! and the record says why in its capture warnings (the raw bytes are kept).
+//!
 //! Every cut adds a capture warning starting with `record_too_large:` that says what was
 //! cut, from how many bytes to how many. A cut call is kept for inspection, and the
 //! trainer drops it as `capture_truncated`, as it does a call over the capture cap: what

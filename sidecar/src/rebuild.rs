@@ -169,8 +169,9 @@ enum Family {
 }
 
 /// Largest body [`decode_content`] produces before giving up (guards against
-/// decompression bombs).
-pub const MAX_DECODED_BYTES: usize = 1 << 30;
+/// decompression bombs; see [`crate::limits`]): four times the capture cap, far above
+/// any JSON or SSE answer a model gives, and small enough for the sidecar's memory.
+pub const MAX_DECODED_BYTES: usize = 128 << 20;
 
 /// Decompresses a body according to a `Content-Encoding` header value (identity, gzip,
 /// x-gzip, deflate, zstd, or a comma-separated list of them, applied in order; others ->
@@ -1421,6 +1422,22 @@ mod tests {
             v.extend_from_slice(format!("data: {{\"n\":{i},\"r\":{x}}}\n\n").as_bytes());
         }
         v
+    }
+
+    /// Regression: a 1.5 MB gzip answer that inflates to 1.5 GiB drove the sidecar past
+    /// 1 GB of memory while it rebuilt the completion.
+    #[test]
+    fn a_decompression_bomb_stops_at_the_cap() {
+        use std::io::Write as _;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..(MAX_DECODED_BYTES >> 20) + 8 {
+            gz.write_all(&zeros).unwrap();
+        }
+        let bomb = gz.finish().unwrap();
+        assert!(bomb.len() < 1 << 20);
+        let err = decode_content(Some("gzip"), &bomb).unwrap_err();
+        assert!(err.contains("exceeds"), "{err}");
     }
 
     #[test]
