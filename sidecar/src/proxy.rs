@@ -713,7 +713,15 @@ fn recorded_headers(headers: &HeaderMap, allow: &[String]) -> BTreeMap<String, S
     recorded
 }
 
+/// Removes what one HTTP/1.1 hop must not forward (RFC 9110 §7.6.1, RFC 9112 §6.3): the
+/// hop-by-hop headers and those `Connection` names, and `Content-Length` when
+/// `Transfer-Encoding` is present (the message was framed by the transfer coding; the
+/// next hop frames it again, and a stale length would cut the body while it looks
+/// complete, or let two parsers disagree on where it ends).
 fn remove_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

@@ -878,3 +878,74 @@ async fn a_client_that_closes_right_after_the_last_event_is_recorded_ok() {
         .shutdown(Duration::from_secs(1), Duration::from_secs(1))
         .await;
 }
+
+/// Regression: an upstream that framed its answer with both `Transfer-Encoding: chunked`
+/// and a (wrong) `Content-Length` reached the client with that length and only that many
+/// bytes, while the record held the whole body. RFC 9112 §6.3: the transfer coding wins
+/// and an intermediary removes `Content-Length`.
+#[tokio::test]
+async fn a_response_with_transfer_encoding_and_content_length_arrives_whole() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let body = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"whole answer"},"finish_reason":"stop"}]}"#;
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let body = body.to_owned();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut head = Vec::new();
+                // Read the request head and its (small, content-length framed) body.
+                loop {
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    head.extend_from_slice(&buf[..n]);
+                    if let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let text = String::from_utf8_lossy(&head[..end]).to_lowercase();
+                        let len: usize = text
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if head.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let (first, rest) = body.split_at(10);
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\ncontent-length: 10\r\n\r\n{:x}\r\n{first}\r\n{:x}\r\n{rest}\r\n0\r\n\r\n",
+                    first.len(),
+                    rest.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    let (sidecar, store) = common::sidecar(&upstream, |_| {}).await;
+    let (status, headers, got) = common::send(
+        &common::client(),
+        common::post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(got, body.as_bytes(), "the client got a cut body");
+    assert!(
+        headers
+            .get("content-length")
+            .is_none_or(|v| v.to_str().unwrap() == body.len().to_string()),
+        "{headers:?}"
+    );
+    let calls = common::calls(&store, 1).await;
+    assert_eq!(calls[0].response_body, body.as_bytes());
+    assert_eq!(calls[0].completions[0].text, "whole answer");
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
