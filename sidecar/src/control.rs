@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tapline_proto::{EndStatus, EpisodeEvent, EpisodeEventKind, RecordKind, Reward};
 
-use crate::episodes::{EpisodeInfo, valid_episode_id};
+use crate::episodes::{EPISODE_ID_RULE, EpisodeInfo, valid_episode_id};
 use crate::proxy::{RespBody, full_body};
 use crate::server::AppState;
 use crate::sink::now_nanos;
@@ -151,7 +151,7 @@ fn episode_id(id: &str) -> Result<String, ApiError> {
         Err(err(
             StatusCode::BAD_REQUEST,
             "invalid_episode_id",
-            format!("{id:?} is not an episode id"),
+            format!("{id:?} is not an episode id: {EPISODE_ID_RULE}"),
         ))
     }
 }

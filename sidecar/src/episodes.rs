@@ -167,11 +167,19 @@ impl Episodes {
     }
 }
 
-/// Whether `id` can be an episode id in a path or header: 1 to 128 characters from
-/// `A-Z a-z 0-9 - _ .`.
+/// What [`valid_episode_id`] accepts, for error messages.
+pub const EPISODE_ID_RULE: &str =
+    "an episode id is 1 to 128 characters of A-Z a-z 0-9 - _ . and is not . or ..";
+
+/// Whether `id` can be an episode id, in the `/e/{id}/` path, the `x-tapline-episode-id`
+/// header and the control API alike: 1 to 128 characters from `A-Z a-z 0-9 - _ .`, and
+/// not `.` or `..` (a client normalizes `/e/../v1` to `/v1`, and the call would escape
+/// its episode).
 pub fn valid_episode_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 128
+        && id != "."
+        && id != ".."
         && id
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))

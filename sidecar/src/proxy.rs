@@ -34,7 +34,7 @@ use serde_json::Value;
 use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
 
 use crate::config::{NEVER_RECORDED, UpstreamKind};
-use crate::episodes::{Hints, valid_episode_id};
+use crate::episodes::{EPISODE_ID_RULE, Hints, valid_episode_id};
 use crate::rebuild;
 use crate::server::AppState;
 use crate::sink::{Dropped, now_nanos};
@@ -745,10 +745,11 @@ fn take_tapline_headers(headers: &mut HeaderMap, hints: &mut Hints) {
         .cloned()
         .collect();
     for name in names {
+        // Values are read as UTF-8 (a task id may be any text), not only visible ASCII.
         let value = headers
             .get_all(&name)
             .iter()
-            .filter_map(|v| v.to_str().ok())
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
             .collect::<Vec<_>>()
             .join(",");
         headers.remove(&name);
@@ -798,7 +799,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                     StatusCode::BAD_REQUEST,
                     "invalid_episode_id",
                     &format!(
-                        "tapline: {id:?} in the path /e/{{episode_id}}/ is not an episode id; use the base URL the tapline SDK returned"
+                        "tapline: {id:?} in the path /e/{{episode_id}}/ is not an episode id ({EPISODE_ID_RULE}); use the base URL the tapline SDK returned"
                     ),
                 );
             }
@@ -808,6 +809,23 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         None => original,
     };
     take_tapline_headers(&mut parts.headers, &mut hints);
+    if let Some(id) = hints.header_episode.as_deref()
+        && !valid_episode_id(id)
+    {
+        let shown: String = id.chars().take(64).collect();
+        return api_error(
+            api_of(
+                &parts.method,
+                path_and_query.split('?').next().unwrap_or(""),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_episode_id",
+            &format!(
+                "tapline: the x-tapline-episode-id header {shown:?}{} is not an episode id ({EPISODE_ID_RULE})",
+                if shown.len() < id.len() { "…" } else { "" }
+            ),
+        );
+    }
     let path = path_and_query.split('?').next().unwrap_or("/");
     let api = api_of(&parts.method, path);
     state.metrics.request(api);

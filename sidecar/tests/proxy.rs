@@ -949,3 +949,70 @@ async fn a_response_with_transfer_encoding_and_content_length_arrives_whole() {
         .shutdown(Duration::from_secs(1), Duration::from_secs(1))
         .await;
 }
+
+/// Regression: ids from `x-tapline-episode-id` were recorded verbatim (10 KB long,
+/// `../../etc/passwd`, `a/b`), `.` and `..` were accepted in the path and the control
+/// API, and a non-ASCII `x-tapline-task-id` was recorded as an empty string. One rule
+/// now holds for the path, the header and the control API.
+#[tokio::test]
+async fn episode_ids_follow_one_rule_in_path_header_and_control_api() {
+    let upstream = Upstream::start(|_| Script::json(CHAT_JSON)).await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let addr = sidecar.local_addr();
+    let client = client();
+    let long = "x".repeat(10_000);
+    for bad in ["../../etc/passwd", "a/b", "..", ".", "a b", long.as_str()] {
+        let mut req = post(addr, "/v1/chat/completions", chat_request(false));
+        req.headers_mut().insert(
+            "x-tapline-episode-id",
+            http::HeaderValue::from_str(bad).unwrap(),
+        );
+        let (status, _, body) = send(&client, req).await;
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_episode_id", "{bad}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("x-tapline-episode-id") && message.len() < 400,
+            "{message}"
+        );
+    }
+    for path in ["/e/../v1/chat/completions", "/e/./v1/chat/completions"] {
+        let (status, _, body) = send(&client, post(addr, path, chat_request(false))).await;
+        assert_eq!(
+            status,
+            StatusCode::BAD_REQUEST,
+            "{path}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    for bad in ["..", ".", "a/b"] {
+        let (status, v) = control(
+            &client,
+            addr,
+            "/tapline/v1/episodes",
+            json!({"task_id": "t", "episode_id": bad}),
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_episode_id", "{bad}: {v}");
+    }
+    // A valid id with a non-ASCII task id is recorded as sent.
+    let mut req = post(addr, "/v1/chat/completions", chat_request(false));
+    req.headers_mut()
+        .insert("x-tapline-episode-id", "ep-1.v2".parse().unwrap());
+    req.headers_mut().insert(
+        "x-tapline-task-id",
+        http::HeaderValue::from_bytes("tâche-ü".as_bytes()).unwrap(),
+    );
+    let (status, _, _) = send(&client, req).await;
+    assert_eq!(status, StatusCode::OK);
+    let calls = calls(&store, 1).await;
+    assert_eq!(calls.len(), 1, "only the valid call reached the store");
+    assert_eq!(calls[0].episode_id, "ep-1.v2");
+    assert_eq!(calls[0].task_id, "tâche-ü");
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
