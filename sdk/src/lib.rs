@@ -371,6 +371,9 @@ impl Episode {
     }
 
     /// Reports a reward with every option.
+    ///
+    /// Rewards come before [`Episode::end`]: the sidecar refuses a reward for an ended
+    /// episode (409 `episode_ended`, returned as an error) and records nothing.
     pub async fn reward_with(&self, reward: Reward) -> Result<(), Error> {
         if !reward.value.is_finite() {
             return Err(Error::InvalidValue {

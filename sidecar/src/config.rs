@@ -99,6 +99,15 @@ pub struct RawConfig {
     /// zstd level of segments [default: 3].
     #[arg(long, env = "TAPLINE_ZSTD_LEVEL")]
     pub zstd_level: Option<i32>,
+    /// Most client connections served at once; a connection beyond it gets a 503
+    /// (`Retry-After: 1`) and is closed [default: 1024].
+    #[arg(long, env = "TAPLINE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Seconds a client may take to send a request head (also how long an idle
+    /// keep-alive connection stays open); must be shorter than --drain-secs, so a client
+    /// that never finishes its head cannot hold a shutdown [default: 10].
+    #[arg(long, env = "TAPLINE_HEADER_READ_TIMEOUT_SECS")]
+    pub header_read_timeout_secs: Option<f64>,
 }
 
 /// Headers recorded by default (lower-case). Credentials are never recorded, whatever
@@ -175,6 +184,10 @@ pub struct Config {
     pub segment_max_age: Duration,
     /// zstd level.
     pub zstd_level: i32,
+    /// Most client connections served at once.
+    pub max_connections: usize,
+    /// Time allowed for a request head, and for an idle keep-alive connection.
+    pub header_read_timeout: Duration,
 }
 
 /// A setting that cannot be used.
@@ -226,6 +239,10 @@ impl RawConfig {
             fsync_interval_ms: self.fsync_interval_ms.or(fallback.fsync_interval_ms),
             segment_max_age_secs: self.segment_max_age_secs.or(fallback.segment_max_age_secs),
             zstd_level: self.zstd_level.or(fallback.zstd_level),
+            max_connections: self.max_connections.or(fallback.max_connections),
+            header_read_timeout_secs: self
+                .header_read_timeout_secs
+                .or(fallback.header_read_timeout_secs),
         }
     }
 
@@ -345,6 +362,15 @@ impl RawConfig {
         if !(1..=22).contains(&zstd_level) {
             return Err(bad("zstd-level", format!("{zstd_level} is outside 1..=22")));
         }
+        let max_connections = self.max_connections.unwrap_or(1024);
+        if max_connections == 0 {
+            return Err(bad("max-connections", "must be at least 1"));
+        }
+        let header_read_timeout = secs(
+            "header-read-timeout-secs",
+            self.header_read_timeout_secs,
+            10.0,
+        )?;
         Ok(Config {
             listen,
             upstream,
@@ -371,6 +397,8 @@ impl RawConfig {
             fsync_interval: Duration::from_millis(fsync_interval_ms),
             segment_max_age: secs("segment-max-age-secs", self.segment_max_age_secs, 10.0)?,
             zstd_level,
+            max_connections,
+            header_read_timeout,
         })
     }
 }

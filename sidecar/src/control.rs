@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tapline_proto::{EndStatus, EpisodeEvent, EpisodeEventKind, RecordKind, Reward};
 
-use crate::episodes::{EPISODE_ID_RULE, EpisodeInfo, valid_episode_id};
+use crate::episodes::{EPISODE_ID_RULE, EpisodeInfo, NotOpen, valid_episode_id};
 use crate::proxy::{RespBody, full_body};
 use crate::server::AppState;
 use crate::sink::now_nanos;
@@ -186,6 +186,29 @@ async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Api
     })
 }
 
+/// The refusal of a reward or an end for an episode that is not open here.
+fn not_open(episode_id: &str, why: NotOpen, what: &str) -> ApiError {
+    match why {
+        NotOpen::Unknown => err(
+            StatusCode::NOT_FOUND,
+            "unknown_episode",
+            format!(
+                "episode {episode_id} is not open on this sidecar, so nothing was recorded: \
+                 create it with POST /tapline/v1/episodes on the sidecar that gets the {what} \
+                 (a restarted sidecar has forgotten the episodes it had open)"
+            ),
+        ),
+        NotOpen::Ended => err(
+            StatusCode::CONFLICT,
+            "episode_ended",
+            format!(
+                "episode {episode_id} has already ended, so this {what} was not recorded: \
+                 report rewards before ending the episode, and end it once"
+            ),
+        ),
+    }
+}
+
 async fn submit(state: &AppState, kind: RecordKind) -> Result<(), ApiError> {
     state.sink.submit(kind).await.map_err(|_| {
         err(
@@ -324,6 +347,10 @@ async fn add_reward(
             ),
         ));
     }
+    state
+        .episodes
+        .check_open(episode_id)
+        .map_err(|why| not_open(episode_id, why, "reward"))?;
     let reward_id = uuid::Uuid::now_v7().to_string();
     submit(
         state,
@@ -370,10 +397,11 @@ async fn end_episode(
             ));
         }
     };
-    let info = state.episodes.end(episode_id);
-    let known = info.is_some();
-    let info = info.unwrap_or_default();
-    submit(
+    let (info, was_bound) = state
+        .episodes
+        .end(episode_id)
+        .map_err(|why| not_open(episode_id, why, "end"))?;
+    let submitted = submit(
         state,
         RecordKind::EpisodeEvent(EpisodeEvent {
             event_id: uuid::Uuid::now_v7().to_string(),
@@ -389,14 +417,20 @@ async fn end_episode(
             bound: false,
         }),
     )
-    .await?;
+    .await;
+    if let Err(e) = submitted {
+        state.episodes.reopen(episode_id, was_bound);
+        return Err(e);
+    }
     Ok(reply(
         StatusCode::OK,
         json!({
             "episode_id": episode_id,
             "status": req.status,
             "calls": info.calls,
-            "known": known,
+            // Kept for clients of the first API version: an end is only taken for an
+            // episode open here.
+            "known": true,
             "incomplete": info.dropped_records > 0,
         }),
     ))

@@ -21,6 +21,16 @@ pub struct EpisodeInfo {
     pub dropped_records: u64,
 }
 
+/// Why a reward or an end cannot be taken for an episode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotOpen {
+    /// This sidecar never created the episode (or was restarted since, or forgot it
+    /// among more than [`MAX_OTHER_EPISODES`] ended ones).
+    Unknown,
+    /// The episode was created here and has ended.
+    Ended,
+}
+
 /// Attribution hints found on one request.
 #[derive(Debug, Clone, Default)]
 pub struct Hints {
@@ -59,12 +69,34 @@ struct State {
     /// calls keep counting (and keep task and group) without reopening anything.
     /// Bounded: cleared when it reaches [`MAX_OTHER_EPISODES`].
     others: HashMap<String, EpisodeInfo>,
+    /// Which of `others` ended here (the rest were only named by calls).
+    ended: std::collections::HashSet<String>,
     bound: Option<String>,
     unattributed_calls: u32,
 }
 
 /// Most ended or foreign episodes remembered for call numbering.
 const MAX_OTHER_EPISODES: usize = 10_000;
+
+impl State {
+    fn not_open(&self, episode_id: &str) -> NotOpen {
+        if self.ended.contains(episode_id) {
+            NotOpen::Ended
+        } else {
+            NotOpen::Unknown
+        }
+    }
+
+    /// Remembers an ended or foreign episode, forgetting all of them first when the
+    /// bound is reached.
+    fn remember_other(&mut self, episode_id: &str, info: EpisodeInfo) {
+        if self.others.len() >= MAX_OTHER_EPISODES && !self.others.contains_key(episode_id) {
+            self.others.clear();
+            self.ended.clear();
+        }
+        self.others.insert(episode_id.to_owned(), info);
+    }
+}
 
 /// The episode registry.
 #[derive(Debug, Default)]
@@ -80,26 +112,50 @@ impl Episodes {
     /// Registers a new episode; binds it when asked (replacing an earlier binding).
     pub fn create(&self, episode_id: &str, info: EpisodeInfo, bind: bool) {
         let mut state = self.lock();
+        state.ended.remove(episode_id);
         state.episodes.insert(episode_id.to_owned(), info);
         if bind {
             state.bound = Some(episode_id.to_owned());
         }
     }
 
-    /// Closes an episode and unbinds it. Returns what was known of it.
-    pub fn end(&self, episode_id: &str) -> Option<EpisodeInfo> {
+    /// Closes an open episode and unbinds it. Returns what was known of it and whether it
+    /// was bound (for [`Episodes::reopen`]), or why it cannot be ended: one end per
+    /// episode, taken atomically, so two concurrent ends cannot both write an End record.
+    pub fn end(&self, episode_id: &str) -> Result<(EpisodeInfo, bool), NotOpen> {
         let mut state = self.lock();
-        if state.bound.as_deref() == Some(episode_id) {
+        let Some(info) = state.episodes.remove(episode_id) else {
+            return Err(state.not_open(episode_id));
+        };
+        let was_bound = state.bound.as_deref() == Some(episode_id);
+        if was_bound {
             state.bound = None;
         }
-        let info = state.episodes.remove(episode_id);
-        if let Some(info) = &info {
-            if state.others.len() >= MAX_OTHER_EPISODES {
-                state.others.clear();
-            }
-            state.others.insert(episode_id.to_owned(), info.clone());
+        state.remember_other(episode_id, info.clone());
+        state.ended.insert(episode_id.to_owned());
+        Ok((info, was_bound))
+    }
+
+    /// Undoes [`Episodes::end`] when its End record could not be queued, so the harness
+    /// can end the episode again. Calls attributed in between keep their numbers.
+    pub fn reopen(&self, episode_id: &str, was_bound: bool) {
+        let mut state = self.lock();
+        state.ended.remove(episode_id);
+        let info = state.others.remove(episode_id).unwrap_or_default();
+        state.episodes.insert(episode_id.to_owned(), info);
+        if was_bound && state.bound.is_none() {
+            state.bound = Some(episode_id.to_owned());
         }
-        info
+    }
+
+    /// Whether a reward can be taken for the episode: it was created here and is open.
+    pub fn check_open(&self, episode_id: &str) -> Result<(), NotOpen> {
+        let state = self.lock();
+        if state.episodes.contains_key(episode_id) {
+            Ok(())
+        } else {
+            Err(state.not_open(episode_id))
+        }
     }
 
     /// The episode, if this sidecar created it and it has not ended.
@@ -147,10 +203,8 @@ impl Episodes {
         let info = match state.episodes.get_mut(&episode_id) {
             Some(info) => info,
             None => {
-                if state.others.len() >= MAX_OTHER_EPISODES
-                    && !state.others.contains_key(&episode_id)
-                {
-                    state.others.clear();
+                if !state.others.contains_key(&episode_id) {
+                    state.remember_other(&episode_id, EpisodeInfo::default());
                 }
                 state.others.entry(episode_id.clone()).or_default()
             }
@@ -223,7 +277,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!((a.task_id.as_str(), a.seq), ("override", 1));
-        eps.end("bound");
+        eps.end("bound").unwrap();
         assert_eq!(eps.attribute(Hints::default()).episode_id, "");
     }
 
@@ -235,7 +289,7 @@ mod tests {
             path_episode: Some("a".into()),
             ..Default::default()
         });
-        eps.end("a");
+        eps.end("a").unwrap();
         let late = eps.attribute(Hints {
             path_episode: Some("a".into()),
             ..Default::default()
@@ -254,6 +308,35 @@ mod tests {
             eps.get("a").is_none(),
             "an ended episode can be created again"
         );
+    }
+
+    #[test]
+    fn an_episode_ends_once_and_unknown_ones_not_at_all() {
+        let eps = Episodes::default();
+        eps.create("a", info("t"), true);
+        assert_eq!(eps.check_open("a"), Ok(()));
+        assert_eq!(eps.end("nobody").unwrap_err(), NotOpen::Unknown);
+        eps.attribute(Hints {
+            header_episode: Some("named-by-a-call".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            eps.check_open("named-by-a-call").unwrap_err(),
+            NotOpen::Unknown,
+            "an episode only named by calls was not created here"
+        );
+        let (ended, was_bound) = eps.end("a").unwrap();
+        assert_eq!((ended.task_id.as_str(), was_bound), ("t", true));
+        assert_eq!(eps.end("a").unwrap_err(), NotOpen::Ended);
+        assert_eq!(eps.check_open("a").unwrap_err(), NotOpen::Ended);
+        // An End record that could not be queued: the episode is open and bound again.
+        eps.reopen("a", true);
+        assert_eq!(eps.check_open("a"), Ok(()));
+        assert_eq!(eps.bound().as_deref(), Some("a"));
+        eps.end("a").unwrap();
+        // Created again under the same id: open again.
+        eps.create("a", info("t2"), false);
+        assert_eq!(eps.check_open("a"), Ok(()));
     }
 
     #[test]

@@ -107,6 +107,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let drain = secs("drain-secs", args.drain_secs)?;
     let flush = secs("flush-secs", args.flush_secs)?;
+    if config.header_read_timeout >= drain {
+        anyhow::bail!(
+            "invalid setting `header-read-timeout-secs`: {:?} is not shorter than --drain-secs ({drain:?}); \
+             a client that never finishes its request head would hold every shutdown that long",
+            config.header_read_timeout
+        );
+    }
     let runtime = match args.worker_threads {
         0 => anyhow::bail!(
             "invalid setting `worker-threads`: 0; give 1 or more threads (1 runs one event loop)"

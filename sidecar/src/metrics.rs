@@ -74,6 +74,10 @@ pub struct Metrics {
     pub body_errors: AtomicU64,
     /// Calls that could not be recorded at all.
     pub capture_failures: AtomicU64,
+    /// Client connections being served (gauge).
+    pub connections_open: AtomicU64,
+    /// Client connections turned away by `--max-connections`.
+    pub connections_refused: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_nanos: AtomicU64,
@@ -143,7 +147,7 @@ impl Metrics {
             .iter()
             .map(|o| get(&self.outcomes[*o as usize]))
             .sum();
-        let counters: [(&str, &str, u64); 19] = [
+        let counters: [(&str, &str, u64); 20] = [
             (
                 "tapline_errors_total",
                 "Proxied calls that did not end ok.",
@@ -239,6 +243,11 @@ impl Metrics {
                 "Calls that could not be recorded.",
                 get(&self.capture_failures),
             ),
+            (
+                "tapline_connections_refused_total",
+                "Client connections answered 503 or closed because --max-connections were open.",
+                get(&self.connections_refused),
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -252,7 +261,12 @@ impl Metrics {
         } else {
             (crate::sink::now_nanos().max(0) as u64).saturating_sub(oldest) as f64 / 1e9
         };
-        let gauges: [(&str, &str, String); 4] = [
+        let gauges: [(&str, &str, String); 5] = [
+            (
+                "tapline_connections_open",
+                "Client connections being served.",
+                get(&self.connections_open).to_string(),
+            ),
             (
                 "tapline_open_episodes",
                 "Episodes created and not yet ended.",

@@ -4,6 +4,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use http::{Request, Response, header};
@@ -13,7 +14,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
@@ -182,8 +183,61 @@ impl Sidecar {
     }
 }
 
+/// Connections beyond `--max-connections` that are still answered (a 503 with
+/// `Retry-After`); past these, new connections are closed at once.
+const MAX_REFUSING_CONNECTIONS: usize = 64;
+
+/// The answer to every request on a connection over `--max-connections`.
+fn over_capacity(max: usize) -> Response<RespBody> {
+    let body = serde_json::json!({"error": {
+        "message": format!(
+            "the tapline sidecar is serving its maximum of {max} connections (--max-connections); retry shortly"
+        ),
+        "type": "overloaded",
+        "code": "too_many_connections",
+    }});
+    let mut resp = Response::new(full_body(body.to_string()));
+    *resp.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    headers.insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    resp
+}
+
+/// Decrements the open-connection gauge when a connection ends, however it ends.
+struct OpenConnection(Arc<Metrics>);
+
+impl OpenConnection {
+    fn new(metrics: &Arc<Metrics>) -> Self {
+        metrics.connections_open.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(metrics.clone())
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 async fn accept_loop(listener: TcpListener, state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
     let graceful = GracefulShutdown::new();
+    let max = state.config.max_connections;
+    let serving = Arc::new(Semaphore::new(max));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING_CONNECTIONS));
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .keep_alive(true)
+        // Also closes keep-alive connections idle this long, and bounds how long a
+        // half-sent request head can hold a graceful shutdown.
+        .header_read_timeout(state.config.header_read_timeout);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -196,17 +250,35 @@ async fn accept_loop(listener: TcpListener, state: Arc<AppState>, mut stop: watc
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                let Ok(permit) = serving.clone().try_acquire_owned() else {
+                    state.metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+                    let Ok(permit) = refusing.clone().try_acquire_owned() else {
+                        drop(stream);
+                        continue;
+                    };
+                    let service = service_fn(move |_req: Request<Incoming>| async move {
+                        Ok::<_, Infallible>(over_capacity(max))
+                    });
+                    let conn = http
+                        .clone()
+                        .keep_alive(false)
+                        .serve_connection(TokioIo::new(stream), service);
+                    let conn = graceful.watch(conn);
+                    tokio::spawn(async move {
+                        let _ = conn.await;
+                        drop(permit);
+                    });
+                    continue;
+                };
+                let open = OpenConnection::new(&state.metrics);
                 let state = state.clone();
                 let service = service_fn(move |req| handle(state.clone(), req));
-                let conn = http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .keep_alive(true)
-                    .serve_connection(TokioIo::new(stream), service);
-                let conn = graceful.watch(conn);
+                let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
                 tokio::spawn(async move {
                     if let Err(error) = conn.await {
                         tracing::debug!(%error, "connection ended with an error");
                     }
+                    drop((permit, open));
                 });
             }
             _ = stop.changed() => break,

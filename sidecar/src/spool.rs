@@ -131,6 +131,10 @@ pub struct Spool {
     unsynced: Vec<PathBuf>,
 }
 
+/// Largest encoding buffer kept between appends; a larger one (a large call) is freed
+/// after its record is written.
+const SCRATCH_KEEP_BYTES: usize = 1 << 20;
+
 fn file_name(first_seq: u64, ext: &str) -> String {
     format!("{first_seq:016x}.{ext}")
 }
@@ -479,6 +483,10 @@ impl Spool {
         open.records += 1;
         open.bytes += frame_len;
         open.dirty = true;
+        if self.scratch.capacity() > SCRATCH_KEEP_BYTES {
+            // One large call must not pin its size in memory for the life of the process.
+            self.scratch = Vec::new();
+        }
         self.bytes += frame_len;
         self.records += 1;
         self.next_seq += 1;
@@ -668,6 +676,30 @@ mod tests {
         again.seal().unwrap();
         let mark = fs::read_to_string(dir.path().join("high-water")).unwrap();
         assert_eq!(mark.parse::<u64>().unwrap(), next);
+    }
+
+    #[test]
+    fn a_large_record_does_not_keep_its_buffer() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+        spool.append("s", 0, &mut Some(reward(0))).unwrap();
+        let small = spool.scratch.capacity();
+        assert!(small <= SCRATCH_KEEP_BYTES, "{small}");
+        let mut big = Some(RecordKind::Reward(Reward {
+            reward_id: "big".into(),
+            episode_id: "e".into(),
+            tags: [("blob".to_owned(), "x".repeat(20 << 20))].into(),
+            ..Default::default()
+        }));
+        spool.append("s", 0, &mut big).unwrap();
+        assert!(
+            spool.scratch.capacity() <= SCRATCH_KEEP_BYTES,
+            "a 20 MiB record left a {} byte buffer behind",
+            spool.scratch.capacity()
+        );
+        spool.append("s", 0, &mut Some(reward(2))).unwrap();
+        spool.seal().unwrap();
+        assert_eq!(all_unacked(&spool).len(), 3);
     }
 
     #[test]

@@ -699,6 +699,57 @@ async fn control_api_episodes_rewards_binding_and_errors() {
     .await;
     assert_eq!((status, v["calls"].as_u64()), (StatusCode::OK, Some(1)));
 
+    // Ended and unknown episodes take no reward and no end, and nothing is written.
+    for (path, body, expected, code) in [
+        (
+            "end",
+            json!({"status": "failed"}),
+            StatusCode::CONFLICT,
+            "episode_ended",
+        ),
+        (
+            "rewards",
+            json!({"value": 1}),
+            StatusCode::CONFLICT,
+            "episode_ended",
+        ),
+        (
+            "end",
+            json!({"status": "failed"}),
+            StatusCode::NOT_FOUND,
+            "unknown_episode",
+        ),
+        (
+            "rewards",
+            json!({"value": 1}),
+            StatusCode::NOT_FOUND,
+            "unknown_episode",
+        ),
+    ] {
+        let episode = if expected == StatusCode::CONFLICT {
+            id.as_str()
+        } else {
+            "never-created"
+        };
+        let (status, v) = control(
+            &client,
+            addr,
+            &format!("/tapline/v1/episodes/{episode}/{path}"),
+            body,
+            Some("tok"),
+        )
+        .await;
+        assert_eq!(
+            (status, v["error"]["code"].as_str().unwrap_or_default()),
+            (expected, code),
+            "{path} of {episode}: {v}"
+        );
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(episode),
+            "{v}"
+        );
+    }
+
     let (status, _, body) = send(
         &client,
         http::Request::get(format!("http://{addr}/tapline/v1/health"))
@@ -728,7 +779,7 @@ async fn control_api_episodes_rewards_binding_and_errors() {
         "{metrics}"
     );
     assert!(
-        metrics.contains("tapline_control_errors_total 6"),
+        metrics.contains("tapline_control_errors_total 10"),
         "{metrics}"
     );
 

@@ -492,6 +492,10 @@ def test_context_manager_ends_aborted_on_exception(sidecar, upstream):
         ep2.end("failed")
     with pytest.raises(tapline.TaplineError, match="already ended"):
         ep2.end()
+    # A reward after the end is refused by the sidecar, and nothing is recorded.
+    with pytest.raises(tapline.SidecarRejected) as excinfo:
+        ep2.reward(1.0)
+    assert (excinfo.value.status, excinfo.value.code) == (409, "episode_ended")
 
     # Ended in the block, then an exception: it propagates, no second end.
     with pytest.raises(ZeroDivisionError):

@@ -59,7 +59,8 @@ class EndResult:
     calls: int
     #: Whether some of the episode's records had to be dropped (a full spool).
     incomplete: bool
-    #: Whether the sidecar knew the episode (False after a sidecar restart, for example).
+    #: Always True: a sidecar refuses (404 `unknown_episode`) to end an episode it does
+    #: not have open, for example after a restart. Kept for older sidecars.
     known: bool
 
 
@@ -363,8 +364,10 @@ class Episode:
         - `span_id=tapline.span_id(raw_response)`: a reward for that one call.
 
         `value` must be a real, finite number: NaN, infinities, bools and non-numbers
-        raise `ValueError` (`tapline.InvalidArgument`) before anything is sent. Rewards
-        after `end()` are accepted (late grading).
+        raise `ValueError` (`tapline.InvalidArgument`) before anything is sent. Report
+        rewards before `end()`: the sidecar refuses a reward for an ended episode
+        (`SidecarRejected`, status 409, code `episode_ended`) and writes nothing, so the
+        trainer never meets a reward that arrived after it took the episode.
         """
         body = _reward_body(value, name=name, span_id=span_id, tags=tags)
         return self._send_reward(body)
