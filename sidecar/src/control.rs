@@ -33,12 +33,16 @@ fn reply(status: StatusCode, body: Value) -> Response<RespBody> {
     resp
 }
 
-/// A refused control request.
-#[derive(Debug)]
-struct ApiError {
-    status: StatusCode,
-    code: &'static str,
-    message: String,
+/// A refused control request: its status, and the `code` and `message` of the JSON
+/// error body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status (4xx, or 503 when a record could not be queued).
+    pub status: StatusCode,
+    /// Machine-readable code, e.g. `invalid_value`.
+    pub code: &'static str,
+    /// What is wrong and what to do.
+    pub message: String,
 }
 
 fn err(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
@@ -71,7 +75,44 @@ async fn route(
     state: &Arc<AppState>,
     req: Request<Incoming>,
 ) -> Result<Response<RespBody>, ApiError> {
-    let path = req.uri().path().trim_end_matches('/').to_owned();
+    let endpoint = endpoint(req.method(), req.uri().path())?;
+    if endpoint != Endpoint::Health {
+        authorize(state, &req)?;
+    }
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(str::to_owned)
+        .unwrap_or_else(|| state.config.listen.to_string());
+    let body = match endpoint {
+        Endpoint::Health => Bytes::new(),
+        _ => read_body(req).await?,
+    };
+    match parse(endpoint, &body)? {
+        ControlRequest::Health => Ok(health(state)),
+        ControlRequest::CreateEpisode(new) => create_episode(state, &host, new).await,
+        ControlRequest::AddReward(reward) => add_reward(state, reward).await,
+        ControlRequest::EndEpisode(end) => end_episode(state, end).await,
+    }
+}
+
+/// A control endpoint, with the episode id of the path (validated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `GET /tapline/v1/health`.
+    Health,
+    /// `POST /tapline/v1/episodes`.
+    CreateEpisode,
+    /// `POST /tapline/v1/episodes/{id}/rewards`.
+    AddReward(String),
+    /// `POST /tapline/v1/episodes/{id}/end`.
+    EndEpisode(String),
+}
+
+/// Which endpoint a method and path name, or the 400/404/405 that answers them.
+pub fn endpoint(method: &Method, path: &str) -> Result<Endpoint, ApiError> {
+    let path = path.trim_end_matches('/');
     let Some(rest) = path.strip_prefix("/tapline/v1") else {
         return Err(err(
             StatusCode::NOT_FOUND,
@@ -80,33 +121,15 @@ async fn route(
         ));
     };
     let parts: Vec<&str> = rest.split('/').filter(|p| !p.is_empty()).collect();
-    let method = req.method().clone();
-    if parts.as_slice() != ["health"] {
-        authorize(state, &req)?;
-    }
     match (method, parts.as_slice()) {
-        (Method::GET, ["health"]) => Ok(health(state)),
-        (Method::POST, ["episodes"]) => {
-            let host = req
-                .headers()
-                .get(header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .map(str::to_owned)
-                .unwrap_or_else(|| state.config.listen.to_string());
-            create_episode(state, &host, read_json(req).await?).await
-        }
-        (Method::POST, ["episodes", id, "rewards"]) => {
-            let id = episode_id(id)?;
-            add_reward(state, &id, read_json(req).await?).await
-        }
-        (Method::POST, ["episodes", id, "end"]) => {
-            let id = episode_id(id)?;
-            end_episode(state, &id, read_json(req).await?).await
-        }
+        (&Method::GET, ["health"]) => Ok(Endpoint::Health),
+        (&Method::POST, ["episodes"]) => Ok(Endpoint::CreateEpisode),
+        (&Method::POST, ["episodes", id, "rewards"]) => Ok(Endpoint::AddReward(episode_id(id)?)),
+        (&Method::POST, ["episodes", id, "end"]) => Ok(Endpoint::EndEpisode(episode_id(id)?)),
         (_, ["health"] | ["episodes"] | ["episodes", _, "rewards" | "end"]) => Err(err(
             StatusCode::METHOD_NOT_ALLOWED,
             "method_not_allowed",
-            format!("{} is not allowed on {path}", req.method()),
+            format!("{method} is not allowed on {path}"),
         )),
         _ => Err(err(
             StatusCode::NOT_FOUND,
@@ -114,6 +137,30 @@ async fn route(
             format!("no control endpoint {path}"),
         )),
     }
+}
+
+/// A control request, parsed and checked: what is left to do needs the sidecar's state.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ControlRequest {
+    /// Report health.
+    Health,
+    /// Create an episode.
+    CreateEpisode(NewEpisode),
+    /// Add a reward to an episode.
+    AddReward(NewReward),
+    /// End an episode.
+    EndEpisode(EpisodeEnd),
+}
+
+/// Parses and checks the body of a request to `endpoint` (an empty body reads as `{}`).
+/// Pure: the same bytes always give the same answer, which is what the fuzzer checks.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ControlRequest, ApiError> {
+    Ok(match endpoint {
+        Endpoint::Health => ControlRequest::Health,
+        Endpoint::CreateEpisode => ControlRequest::CreateEpisode(new_episode(from_json(body)?)?),
+        Endpoint::AddReward(id) => ControlRequest::AddReward(new_reward(id, from_json(body)?)?),
+        Endpoint::EndEpisode(id) => ControlRequest::EndEpisode(episode_end(id, from_json(body)?)?),
+    })
 }
 
 fn authorize(state: &AppState, req: &Request<Incoming>) -> Result<(), ApiError> {
@@ -156,8 +203,8 @@ fn episode_id(id: &str) -> Result<String, ApiError> {
     }
 }
 
-async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, ApiError> {
-    let body: Bytes = Limited::new(req.into_body(), MAX_BODY)
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
+    Ok(Limited::new(req.into_body(), MAX_BODY)
         .collect()
         .await
         .map_err(|e| {
@@ -175,8 +222,18 @@ async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Api
                 )
             }
         })?
-        .to_bytes();
-    let body: &[u8] = if body.is_empty() { b"{}" } else { &body };
+        .to_bytes())
+}
+
+fn from_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.len() > MAX_BODY {
+        return Err(err(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!("request body is over {MAX_BODY} bytes"),
+        ));
+    }
+    let body: &[u8] = if body.is_empty() { b"{}" } else { body };
     serde_json::from_slice(body).map_err(|e| {
         err(
             StatusCode::BAD_REQUEST,
@@ -244,11 +301,22 @@ struct CreateEpisode {
     bind: bool,
 }
 
-async fn create_episode(
-    state: &AppState,
-    host: &str,
-    req: CreateEpisode,
-) -> Result<Response<RespBody>, ApiError> {
+/// A checked request to create an episode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEpisode {
+    /// Task id, not empty.
+    pub task_id: String,
+    /// Group id.
+    pub group_id: String,
+    /// The episode id the harness chose (valid), if any.
+    pub episode_id: Option<String>,
+    /// Metadata as text.
+    pub metadata: BTreeMap<String, String>,
+    /// Bind the episode to this sidecar.
+    pub bind: bool,
+}
+
+fn new_episode(req: CreateEpisode) -> Result<NewEpisode, ApiError> {
     if req.task_id.trim().is_empty() {
         return Err(err(
             StatusCode::BAD_REQUEST,
@@ -256,9 +324,22 @@ async fn create_episode(
             "task_id must be a non-empty string",
         ));
     }
+    Ok(NewEpisode {
+        episode_id: req.episode_id.as_deref().map(episode_id).transpose()?,
+        task_id: req.task_id,
+        group_id: req.group_id,
+        metadata: metadata_map(req.metadata),
+        bind: req.bind,
+    })
+}
+
+async fn create_episode(
+    state: &AppState,
+    host: &str,
+    req: NewEpisode,
+) -> Result<Response<RespBody>, ApiError> {
     let episode_id = match req.episode_id {
         Some(id) => {
-            let id = episode_id(&id)?;
             if state.episodes.get(&id).is_some() {
                 return Err(err(
                     StatusCode::CONFLICT,
@@ -278,7 +359,7 @@ async fn create_episode(
             kind: EpisodeEventKind::Start as i32,
             task_id: req.task_id.clone(),
             group_id: req.group_id.clone(),
-            metadata: metadata_map(req.metadata),
+            metadata: req.metadata,
             time_unix_nanos: now_nanos(),
             bound: req.bind,
             ..Default::default()
@@ -318,11 +399,22 @@ struct AddReward {
     tags: BTreeMap<String, String>,
 }
 
-async fn add_reward(
-    state: &AppState,
-    episode_id: &str,
-    req: AddReward,
-) -> Result<Response<RespBody>, ApiError> {
+/// A checked reward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewReward {
+    /// The episode (valid id).
+    pub episode_id: String,
+    /// Finite value.
+    pub value: f64,
+    /// Component name; empty for the final scalar reward.
+    pub name: String,
+    /// The call it rewards (valid id), or empty.
+    pub span_id: String,
+    /// Tags.
+    pub tags: BTreeMap<String, String>,
+}
+
+fn new_reward(episode_id: String, req: AddReward) -> Result<NewReward, ApiError> {
     let value = match &req.value {
         Some(Value::Number(n)) => n.as_f64().filter(|v| v.is_finite()),
         _ => None,
@@ -347,19 +439,30 @@ async fn add_reward(
             ),
         ));
     }
+    Ok(NewReward {
+        episode_id,
+        value,
+        name: req.name,
+        span_id: req.span_id,
+        tags: req.tags,
+    })
+}
+
+async fn add_reward(state: &AppState, req: NewReward) -> Result<Response<RespBody>, ApiError> {
+    let episode_id = req.episode_id;
     state
         .episodes
-        .check_open(episode_id)
-        .map_err(|why| not_open(episode_id, why, "reward"))?;
+        .check_open(&episode_id)
+        .map_err(|why| not_open(&episode_id, why, "reward"))?;
     let reward_id = uuid::Uuid::now_v7().to_string();
     submit(
         state,
         RecordKind::Reward(Reward {
             reward_id: reward_id.clone(),
-            episode_id: episode_id.to_owned(),
+            episode_id: episode_id.clone(),
             span_id: req.span_id,
             name: req.name,
-            value,
+            value: req.value,
             time_unix_nanos: now_nanos(),
             tags: req.tags,
         }),
@@ -379,11 +482,18 @@ struct EndEpisode {
     metadata: BTreeMap<String, Value>,
 }
 
-async fn end_episode(
-    state: &AppState,
-    episode_id: &str,
-    req: EndEpisode,
-) -> Result<Response<RespBody>, ApiError> {
+/// A checked end of an episode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpisodeEnd {
+    /// The episode (valid id).
+    pub episode_id: String,
+    /// How it ended.
+    pub status: EndStatus,
+    /// Metadata as text.
+    pub metadata: BTreeMap<String, String>,
+}
+
+fn episode_end(episode_id: String, req: EndEpisode) -> Result<EpisodeEnd, ApiError> {
     let status = match req.status.as_str() {
         "succeeded" => EndStatus::Succeeded,
         "failed" => EndStatus::Failed,
@@ -397,6 +507,15 @@ async fn end_episode(
             ));
         }
     };
+    Ok(EpisodeEnd {
+        episode_id,
+        status,
+        metadata: metadata_map(req.metadata),
+    })
+}
+
+async fn end_episode(state: &AppState, req: EpisodeEnd) -> Result<Response<RespBody>, ApiError> {
+    let episode_id = req.episode_id.as_str();
     let (info, was_bound) = state
         .episodes
         .end(episode_id)
@@ -409,8 +528,8 @@ async fn end_episode(
             kind: EpisodeEventKind::End as i32,
             task_id: info.task_id,
             group_id: info.group_id,
-            status: status as i32,
-            metadata: metadata_map(req.metadata),
+            status: req.status as i32,
+            metadata: req.metadata,
             time_unix_nanos: now_nanos(),
             incomplete: info.dropped_records > 0,
             dropped_records: info.dropped_records,
@@ -426,7 +545,7 @@ async fn end_episode(
         StatusCode::OK,
         json!({
             "episode_id": episode_id,
-            "status": req.status,
+            "status": status_name(req.status),
             "calls": info.calls,
             // Kept for clients of the first API version: an end is only taken for an
             // episode open here.
@@ -434,6 +553,16 @@ async fn end_episode(
             "incomplete": info.dropped_records > 0,
         }),
     ))
+}
+
+fn status_name(status: EndStatus) -> &'static str {
+    match status {
+        EndStatus::Succeeded => "succeeded",
+        EndStatus::Failed => "failed",
+        EndStatus::TimedOut => "timed_out",
+        EndStatus::Aborted => "aborted",
+        _ => "unspecified",
+    }
 }
 
 fn health(state: &AppState) -> Response<RespBody> {
