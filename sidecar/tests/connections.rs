@@ -1,6 +1,5 @@
 //! Client connections: the `--max-connections` limit and the header read timeout.
 
-#[allow(dead_code)]
 mod common;
 
 use std::net::SocketAddr;
