@@ -3,17 +3,24 @@
 //!
 //! - [`config`]: flags, environment and TOML file, validated once.
 //! - [`server`]: the listener, routing and the start/stop life cycle ([`server::Sidecar`]).
+//! - [`state`]: [`state::AppState`], what every request handler shares.
+//! - [`body`]: the HTTP body types of responses and upstream requests.
 //! - [`proxy`]: forwarding and capture of LLM calls.
+//! - [`upstream`]: the pool of keep-alive connections to the upstream.
 //! - [`control`]: the control API under `/tapline/v1/` used by the SDKs.
 //! - [`episodes`]: episode registry and call attribution.
 //! - [`sse`]: incremental server-sent-event framing.
+//! - [`json`]: a JSON tree that borrows its strings from the input.
 //! - [`rebuild`]: completions, usage and token ids rebuilt from a response body or stream.
 //! - [`limits`]: what keeps every record within the readers' limits, and how it is cut.
 //! - [`sink`]: the [`sink::RecordSink`] interface, the spool writer and the uploader.
 //! - [`spool`]: the local spool (append-only, checksummed files) and its recovery.
 //! - [`metrics`]: Prometheus counters.
+//! - [`clock`]: the wall clock records are stamped with.
 //! - [`dump`]: prints every record of a store as JSON lines (`tapline-sidecar dump`).
 
+pub mod body;
+pub mod clock;
 pub mod config;
 pub mod control;
 pub mod dump;
@@ -27,4 +34,5 @@ pub mod server;
 pub mod sink;
 pub mod spool;
 pub mod sse;
+pub mod state;
 pub mod upstream;

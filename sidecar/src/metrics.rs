@@ -259,7 +259,7 @@ impl Metrics {
         let age = if oldest == 0 {
             0.0
         } else {
-            (crate::sink::now_nanos().max(0) as u64).saturating_sub(oldest) as f64 / 1e9
+            (crate::clock::now_nanos().max(0) as u64).saturating_sub(oldest) as f64 / 1e9
         };
         let gauges: [(&str, &str, String); 5] = [
             (

@@ -15,7 +15,6 @@
 //!   prefix and says it is truncated.
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,24 +27,20 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use serde_json::Value;
 use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
 
+/// The body types at the paths they had before they moved to [`crate::body`]
+/// (`control.rs` still imports `RespBody` and `full_body` from here).
+pub use crate::body::{BoxError, RespBody, UpBody, full_body};
+use crate::clock::now_nanos;
 use crate::config::{NEVER_RECORDED, UpstreamKind};
 use crate::episodes::{EPISODE_ID_RULE, Hints, valid_episode_id};
 use crate::rebuild;
-use crate::server::AppState;
-use crate::sink::{Dropped, now_nanos};
+use crate::sink::Dropped;
+use crate::state::AppState;
 use crate::upstream::{SendError, UpstreamBody};
-
-/// Error type of response bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-/// Body of every response the sidecar sends.
-pub type RespBody = UnsyncBoxBody<Bytes, BoxError>;
-/// Body of every request the sidecar sends upstream.
-pub type UpBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// Header that carries the span id of a proxied call back to the client.
 pub const SPAN_ID_HEADER: &str = "x-tapline-span-id";
@@ -60,13 +55,6 @@ const HOP_BY_HOP: &[&str] = &[
     "transfer-encoding",
     "upgrade",
 ];
-
-/// A body of fixed bytes.
-pub fn full_body(bytes: impl Into<Bytes>) -> RespBody {
-    http_body_util::Full::new(bytes.into())
-        .map_err(|never: Infallible| match never {})
-        .boxed_unsync()
-}
 
 /// Decides the API family from the method and path (without query).
 pub fn api_of(method: &http::Method, path: &str) -> Api {

@@ -17,36 +17,16 @@ use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinHandle;
 
+use crate::body::{RespBody, full_body};
 use crate::config::Config;
 use crate::episodes::Episodes;
 use crate::metrics::Metrics;
-use crate::proxy::{RespBody, full_body};
-use crate::sink::{FullPolicy, RecordSink, Recorder, RecorderOptions};
+use crate::sink::{FullPolicy, Recorder, RecorderOptions};
 use crate::upstream::Upstream;
 
-/// Everything a request handler needs.
-#[derive(Debug)]
-pub struct AppState {
-    /// Validated settings.
-    pub config: Config,
-    /// Upstream base URL without a trailing slash; request paths are appended to it.
-    pub upstream_base: String,
-    /// Store URL, safe to log.
-    pub store_display: String,
-    /// Connections to the upstream.
-    pub upstream: Arc<Upstream>,
-    /// Where records go.
-    pub sink: Arc<dyn RecordSink>,
-    /// The recorder behind `sink` (store health).
-    pub recorder: Option<Arc<Recorder>>,
-    /// How long a response's last byte may wait for its record to reach the spool
-    /// (`None`: as long as it takes, the `block` policy).
-    pub ack_wait: Option<Duration>,
-    /// Open episodes and the binding.
-    pub episodes: Episodes,
-    /// Counters.
-    pub metrics: Arc<Metrics>,
-}
+/// [`AppState`] at the path it had before it moved to [`crate::state`] (`control.rs`
+/// still imports it from here).
+pub use crate::state::AppState;
 
 /// Idle upstream connections kept for reuse. Each holds ~40 KB (hyper's read and write
 /// buffers); a harness rarely has more calls in flight than this, and calls beyond it

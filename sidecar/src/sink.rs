@@ -85,13 +85,9 @@ pub trait RecordSink: Send + Sync + std::fmt::Debug {
     fn submit(&self, kind: RecordKind) -> Ack;
 }
 
-/// Current time in Unix nanoseconds.
-pub fn now_nanos() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0)
-}
+/// [`now_nanos`](crate::clock::now_nanos) at the path it had before it moved to
+/// [`crate::clock`] (`control.rs` still imports it from here).
+pub use crate::clock::now_nanos;
 
 /// What to do with a new record when the spool is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]

@@ -36,7 +36,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tower_service::Service;
 
-use crate::proxy::{BoxError, UpBody};
+use crate::body::{BoxError, UpBody};
 
 type Io = MaybeHttpsStream<TokioIo<TcpStream>>;
 type Conn = http1::Connection<Io, UpBody>;
@@ -419,7 +419,7 @@ mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
-    use crate::proxy::full_body;
+    use crate::body::full_body;
 
     /// A raw HTTP/1.1 server: for each request head read on a connection, `answer` says
     /// what to write (a list of writes with pauses between them) and whether to close.
