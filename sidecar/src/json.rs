@@ -269,6 +269,30 @@ mod tests {
         walk(&ours, &theirs);
     }
 
+    /// Found by the json_tree fuzz target: without serde_json's `float_roundtrip`, a
+    /// long mantissa parsed to a float one ulp away from the correctly rounded one, so a
+    /// log-prob written back out read as another number.
+    #[test]
+    fn floats_are_parsed_correctly_rounded_and_written_back_the_same() {
+        for text in [
+            "1e70",
+            "1e+70",
+            "-0.1",
+            "-2.3841855067985307e-7",
+            "0.30000000000000004",
+        ] {
+            let ours = Json::parse(text.as_bytes()).unwrap();
+            assert_eq!(ours.as_f64(), Some(text.parse::<f64>().unwrap()), "{text}");
+            let written = ours.to_string();
+            assert_eq!(Json::parse(written.as_bytes()).unwrap(), ours, "{text}");
+        }
+        let long = format!("1{}e{}2", "0".repeat(68), "0".repeat(50));
+        let ours = Json::parse(long.as_bytes()).unwrap();
+        assert_eq!(ours.as_f64(), Some(long.parse::<f64>().unwrap()));
+        let written = ours.to_string();
+        assert_eq!(Json::parse(written.as_bytes()).unwrap(), ours);
+    }
+
     #[test]
     fn answers_as_serde_json_does() {
         for text in [

@@ -4,6 +4,8 @@
 //!   `cargo clippy --all-targets -D warnings` and every test in the workspace. It is the
 //!   one test command: CI (`.ci/run`) calls it, and README.md names it.
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
+//! - `cargo xtask fuzz [--secs N]`: builds the cargo-fuzz targets in `sidecar/fuzz` and
+//!   runs each for N seconds (`cargo xtask test` runs each for 5).
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
 //!   training steps of 0.5B, 1.7B and 8B Qwen-shaped models (random weights) with bf16 on
 //!   CUDA, full fine-tune and LoRA (LoRA only for 8B, whose full update does not fit one
@@ -20,6 +22,7 @@ use anyhow::{Context, bail};
 
 mod assets;
 mod demo;
+mod fuzz;
 use assets::{ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env};
 
 const USAGE: &str = "usage: cargo xtask <command>
@@ -28,7 +31,9 @@ commands:
   test    install what is missing, then fmt check, clippy and every test
   demo       run the closed training loop on this machine (flags: --iterations N
              --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)
-  gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)";
+  gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
+  fuzz       build the fuzz targets and run each (flags: --secs N, default 60;
+             --target NAME; --sanitizer address)";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,6 +43,11 @@ fn main() -> anyhow::Result<()> {
         Some("test") => test(&root, &args[1..]),
         Some("demo") => demo::demo(&root, &args[1..]),
         Some("gpu-check") => gpu_check(&root, &args[1..]),
+        Some("fuzz") => {
+            let run = fuzz::parse(&args[1..])?;
+            let assets = step("test assets", || ensure_assets(&root))?;
+            fuzz::fuzz(&root, &assets, &run)
+        }
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -98,6 +108,21 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
                     "sdk/python/tests",
                 ])
                 .env("TAPLINE_SIDECAR_BIN", &bin))
+        },
+    )?;
+    step(
+        "fuzz targets, 5 s each (`cargo xtask fuzz` runs longer)",
+        || {
+            fuzz::fuzz(
+                root,
+                &assets,
+                &fuzz::FuzzRun {
+                    secs: 5,
+                    only: Vec::new(),
+                    profile: "quick".into(),
+                    address_sanitizer: false,
+                },
+            )
         },
     )?;
     step("closed loop, short (`cargo xtask demo --smoke`)", || {
