@@ -39,6 +39,7 @@ use crate::config::{NEVER_RECORDED, UpstreamKind};
 use crate::episodes::{EPISODE_ID_RULE, Hints, valid_episode_id};
 use crate::rebuild;
 use crate::sink::Dropped;
+use crate::sse::{LineFramer, Piece, Terminal, TerminalWatch};
 use crate::state::AppState;
 use crate::upstream::{SendError, UpstreamBody};
 
@@ -175,57 +176,65 @@ pub fn strip_injected(value: &mut Value, injected: Injected) -> bool {
 
 /// Rewrites complete SSE events of a stream, leaving every event it does not change
 /// byte for byte as it was.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct SseRewriter {
+    /// Bytes after the last complete event.
     pending: Vec<u8>,
+    /// Finds the blank lines that end events (only line lengths matter: no line is kept).
+    framer: LineFramer,
+    /// Stream offset of `pending[0]`.
+    start: u64,
+    /// The line framed last was blank.
+    blank: bool,
     injected: Injected,
 }
 
 impl SseRewriter {
-    /// Takes a chunk; returns the rewritten complete events it finished (maybe empty).
+    fn new(injected: Injected) -> Self {
+        SseRewriter {
+            pending: Vec::new(),
+            framer: LineFramer::keeping(0),
+            start: 0,
+            blank: false,
+            injected,
+        }
+    }
+
+    /// Takes a chunk; returns the rewritten complete events it finished (maybe empty):
+    /// everything up to the last blank line, so comments (keep-alives) pass at once too.
     fn push(&mut self, chunk: &[u8]) -> Bytes {
         self.pending.extend_from_slice(chunk);
-        let Some(end) = last_event_end(&self.pending) else {
+        let mut cut = None;
+        let blank = &mut self.blank;
+        self.framer.feed(chunk, |piece| match piece {
+            Piece::Line(line) => {
+                *blank = line.len == 0;
+                if *blank {
+                    cut = Some(line.end);
+                }
+            }
+            Piece::LateLf { end } => {
+                if *blank {
+                    cut = Some(end);
+                }
+            }
+        });
+        let Some(cut) = cut else {
             return Bytes::new();
         };
+        let end = usize::try_from(cut.saturating_sub(self.start))
+            .map_or(self.pending.len(), |n| n.min(self.pending.len()));
         let rest = self.pending.split_off(end);
         let events = std::mem::replace(&mut self.pending, rest);
+        self.start = cut;
         rewrite_events(&events, self.injected)
     }
 
     fn finish(&mut self) -> Bytes {
         let events = std::mem::take(&mut self.pending);
+        self.start = self.framer.fed();
         rewrite_events(&events, self.injected)
     }
-}
-
-/// Offset just past the blank line that ends the last complete event in `buf`.
-fn last_event_end(buf: &[u8]) -> Option<usize> {
-    let mut last = None;
-    let mut line_start = 0;
-    let mut i = 0;
-    while i < buf.len() {
-        let b = buf[i];
-        if b == b'\n' || b == b'\r' {
-            let mut next = i + 1;
-            if b == b'\r' {
-                if next == buf.len() {
-                    break; // may be the first half of \r\n
-                }
-                if buf[next] == b'\n' {
-                    next += 1;
-                }
-            }
-            if i == line_start {
-                last = Some(next);
-            }
-            line_start = next;
-            i = next;
-        } else {
-            i += 1;
-        }
-    }
-    last
 }
 
 fn rewrite_events(events: &[u8], injected: Injected) -> Bytes {
@@ -376,24 +385,21 @@ impl Capture {
     }
 }
 
-/// Byte patterns that mark the last event of a stream, by API. A client may close the
-/// connection as soon as it saw this event (the openai SDK does at `[DONE]`), so the
-/// call is complete here, whatever follows.
-fn terminal_markers(api: Api) -> &'static [&'static [u8]] {
+/// The last event of a stream, by API. A client may close the connection as soon as it
+/// saw this event (the openai SDK does at `[DONE]`), so the call is complete there,
+/// whatever follows.
+fn terminal_event(api: Api) -> Option<Terminal> {
     match api {
-        Api::ChatCompletions | Api::Completions => &[b"data: [DONE]", b"data:[DONE]"],
-        Api::AnthropicMessages => &[b"event: message_stop", b"event:message_stop"],
-        Api::Responses => &[
-            b"event: response.completed",
-            b"event: response.incomplete",
-            b"event: response.failed",
-        ],
-        Api::Other | Api::Unspecified => &[],
+        Api::ChatCompletions | Api::Completions => Some(Terminal::Data("[DONE]")),
+        Api::AnthropicMessages => Some(Terminal::Named(&["message_stop"])),
+        Api::Responses => Some(Terminal::Named(&[
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ])),
+        Api::Other | Api::Unspecified => None,
     }
 }
-
-/// How many bytes of the previous chunk to keep to find a marker split across chunks.
-const MARKER_WINDOW: usize = 32;
 
 /// Resolves once a record is in the spool (or was dropped, counted and flagged).
 type Spooled = Pin<Box<dyn std::future::Future<Output = Result<(), Dropped>> + Send>>;
@@ -416,12 +422,8 @@ struct CaptureBody {
     idle: Pin<Box<tokio::time::Sleep>>,
     /// When the last frame arrived.
     last_frame: tokio::time::Instant,
-    /// Terminal-event patterns to watch for (streams only).
-    markers: &'static [&'static [u8]],
-    /// The end of the previous chunk, to find markers split across chunks.
-    window: Vec<u8>,
-    /// The last event's marker arrived; the event ends at the next blank line.
-    marker_seen: bool,
+    /// Watches for the end of the stream's last event (event streams of known APIs).
+    terminal: Option<TerminalWatch>,
     held: Option<Held>,
     done: bool,
 }
@@ -464,46 +466,14 @@ impl CaptureBody {
         }
     }
 
-    /// Whether the stream's last event is complete with `data`: its marker was seen and
-    /// the blank line that ends that event has arrived.
+    /// Whether the stream's last event is complete with `data`: the blank line that ends
+    /// it has arrived.
     fn is_terminal(&mut self, data: &[u8]) -> bool {
-        if self.markers.is_empty() || self.capture.is_none() {
+        if self.capture.is_none() {
             return false;
         }
-        self.window.extend_from_slice(data);
-        if !self.marker_seen {
-            let end = self
-                .markers
-                .iter()
-                .filter_map(|m| find(&self.window, m).map(|at| at + m.len()))
-                .min();
-            match end {
-                Some(end) => {
-                    self.marker_seen = true;
-                    self.window.drain(..end);
-                }
-                None => {
-                    let keep = self.window.len().saturating_sub(MARKER_WINDOW);
-                    self.window.drain(..keep);
-                    return false;
-                }
-            }
-        }
-        let complete = [&b"\n\n"[..], b"\r\n\r\n", b"\r\r"]
-            .iter()
-            .any(|blank| find(&self.window, blank).is_some());
-        if !complete {
-            let keep = self.window.len().saturating_sub(4);
-            self.window.drain(..keep);
-        }
-        complete
+        self.terminal.as_mut().is_some_and(|watch| watch.feed(data))
     }
-}
-
-/// Where `needle` first occurs in `haystack` (SIMD search: this runs on every chunk of
-/// every stream).
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(haystack, needle)
 }
 
 impl Body for CaptureBody {
@@ -1096,10 +1066,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     }
     let rewrite = if strip {
         rparts.headers.remove(header::CONTENT_LENGTH);
-        Rewrite::Sse(SseRewriter {
-            pending: Vec::new(),
-            injected,
-        })
+        Rewrite::Sse(SseRewriter::new(injected))
     } else {
         Rewrite::None
     };
@@ -1111,9 +1078,9 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         idle_timeout,
         idle: Box::pin(tokio::time::sleep(idle_timeout)),
         last_frame: tokio::time::Instant::now(),
-        markers: if streamed { terminal_markers(api) } else { &[] },
-        window: Vec::new(),
-        marker_seen: false,
+        terminal: terminal_event(api)
+            .filter(|_| streamed)
+            .map(TerminalWatch::new),
         held: None,
         done: false,
     };
@@ -1266,10 +1233,7 @@ mod tests {
             logprobs: true,
         };
         let whole = {
-            let mut r = SseRewriter {
-                injected,
-                ..Default::default()
-            };
+            let mut r = SseRewriter::new(injected);
             let mut out = r.push(stream).to_vec();
             out.extend_from_slice(&r.finish());
             out
@@ -1280,14 +1244,29 @@ mod tests {
             "data: {\"id\":\"x\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"logprobs\":null}]}\r\n\r\n: keep-alive\n\ndata: {\"id\":\"x\",\"choices\":[]}\n\ndata: [DONE]\n\n"
         );
         for split in 0..stream.len() {
-            let mut r = SseRewriter {
-                injected,
-                ..Default::default()
-            };
+            let mut r = SseRewriter::new(injected);
             let mut out = r.push(&stream[..split]).to_vec();
             out.extend_from_slice(&r.push(&stream[split..]));
             out.extend_from_slice(&r.finish());
             assert_eq!(out, whole, "split at {split}");
         }
+    }
+
+    #[test]
+    fn sse_rewriting_passes_comments_and_events_as_soon_as_they_end() {
+        let injected = Injected {
+            token_ids: true,
+            logprobs: false,
+        };
+        let mut r = SseRewriter::new(injected);
+        assert_eq!(&r.push(b": keep-alive\r\n")[..], b"");
+        assert_eq!(&r.push(b"\r\n")[..], b": keep-alive\r\n\r\n");
+        assert_eq!(
+            &r.push(b"data: {\"prompt_token_ids\":[1]}\n\ndata: {\"a\"")[..],
+            b"data: {}\n\n"
+        );
+        assert_eq!(&r.push(b":1}\n\n")[..], b"data: {\"a\":1}\n\n");
+        assert_eq!(&r.push(b"data: [DONE]")[..], b"");
+        assert_eq!(&r.finish()[..], b"data: [DONE]");
     }
 }

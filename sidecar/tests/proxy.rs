@@ -930,6 +930,53 @@ async fn a_client_that_closes_right_after_the_last_event_is_recorded_ok() {
         .await;
 }
 
+/// Regression: the end of a stream was found by searching its bytes for `data: [DONE]`,
+/// so an answer whose text contained those words (verbatim in the JSON of a `data` line)
+/// was taken as complete at that event: the record stopped there, with a partial
+/// completion. The end is now the `[DONE]` event itself.
+#[tokio::test]
+async fn an_answer_that_quotes_the_last_event_is_recorded_whole() {
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a stream ends with data: [DONE]\"}}]}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\", then a blank line\"},\"finish_reason\":\"stop\"}]}\n\n",
+        "data: [DONE]\n\n",
+    );
+    let (first, rest) = STREAM.split_at(STREAM.find("\n\n").unwrap() + 2);
+    let upstream = Upstream::start(move |_| {
+        Script::sse(vec![
+            Bytes::from_static(first.as_bytes()),
+            Bytes::from_static(rest.as_bytes()),
+        ])
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;
+    let (status, _, body) = send(
+        &client(),
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, STREAM.as_bytes());
+    let call = calls(&store, 1).await.remove(0);
+    assert_eq!(call.response_body, STREAM.as_bytes());
+    assert_eq!(
+        call.completions[0].text,
+        "a stream ends with data: [DONE], then a blank line"
+    );
+    assert!(
+        call.capture_warnings.is_empty(),
+        "{:?}",
+        call.capture_warnings
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
 /// Regression: an upstream that framed its answer with both `Transfer-Encoding: chunked`
 /// and a (wrong) `Content-Length` reached the client with that length and only that many
 /// bytes, while the record held the whole body. RFC 9112 §6.3: the transfer coding wins
