@@ -9,7 +9,8 @@
 //! - [`upstream`]: the pool of keep-alive connections to the upstream.
 //! - [`control`]: the control API under `/tapline/v1/` used by the SDKs.
 //! - [`episodes`]: episode registry and call attribution.
-//! - [`sse`]: incremental server-sent-event framing.
+//! - [`sse`]: server-sent-event framing, in one place: the line framer, the event parser
+//!   and the watch for a stream's last event.
 //! - [`json`]: a JSON tree that borrows its strings from the input.
 //! - [`rebuild`]: completions, usage and token ids rebuilt from a response body or stream.
 //! - [`limits`]: what keeps every record within the readers' limits, and how it is cut.

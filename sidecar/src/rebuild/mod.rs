@@ -5,15 +5,15 @@
 //! can be re-processed later.
 //!
 //! Supported shapes (see `PROTOCOLS.md`, "Streams the sidecar must rebuild"), one module
-//! each:
-//! - [`chat`]: OpenAI chat completions, as JSON or as `data:` chunks ending with
+//! (file) each:
+//! - `chat`: OpenAI chat completions, as JSON or as `data:` chunks ending with
 //!   `data: [DONE]`, including vLLM's `prompt_token_ids`, `token_ids` and logprobs;
-//! - [`completions`]: legacy completions, the same shape as chat completions with a few
+//! - `completions`: legacy completions, the same shape as chat completions with a few
 //!   fields of their own (parsed by `chat`'s state machine);
-//! - [`responses`]: OpenAI Responses, as JSON or as named events (the terminal
+//! - `responses`: OpenAI Responses, as JSON or as named events (the terminal
 //!   `response.completed` / `.incomplete` / `.failed` event is the truth, deltas are the
 //!   fallback);
-//! - [`anthropic`]: Anthropic Messages, as JSON or as named events.
+//! - `anthropic`: Anthropic Messages, as JSON or as named events.
 //!
 //! This module holds what they share: [`rebuild`], which tells JSON from events and
 //! dispatches by API, [`complete`], which fills a captured record in from its raw bytes,

@@ -22,22 +22,23 @@
 //! - When the spool is full, the `drop` policy drops the new record, counts it and tells
 //!   the caller (the episode is flagged incomplete); `block` makes the ack wait until
 //!   uploads free space, which holds back responses: backpressure.
+//!
+//! This module holds the interface and the recorder with its spool writer thread;
+//! `upload.rs` builds the segments and uploads them.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use object_store::{PutMode, PutOptions, PutPayload};
-use tapline_proto::keys::SegmentKey;
-use tapline_proto::segment::SegmentWriter;
 use tapline_proto::store::StoreLocation;
 use tapline_proto::{EpisodeEventKind, RecordKind};
 use tokio::sync::{Notify, oneshot};
 
 use crate::metrics::Metrics;
-use crate::rebuild;
-use crate::spool::{AppendError, Recovery, Spool, Stored, delete_file, for_each_sealed};
+use crate::spool::{AppendError, Recovery, Spool};
+
+mod upload;
 
 /// A record could not be accepted and was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -85,8 +86,8 @@ pub trait RecordSink: Send + Sync + std::fmt::Debug {
     fn submit(&self, kind: RecordKind) -> Ack;
 }
 
-/// [`now_nanos`](crate::clock::now_nanos) at the path it had before it moved to
-/// [`crate::clock`] (`control.rs` still imports it from here).
+/// [`crate::clock::now_nanos`], at the path it had before it moved (`control.rs` still
+/// imports it from here).
 pub use crate::clock::now_nanos;
 
 /// What to do with a new record when the spool is full.
@@ -131,7 +132,7 @@ enum Msg {
 
 /// State shared by the writer thread, the uploader task and the handlers.
 #[derive(Debug)]
-struct Shared {
+pub(super) struct Shared {
     spool: Mutex<Spool>,
     /// Signalled when uploads free space in the spool.
     space: Condvar,
@@ -232,7 +233,7 @@ impl Recorder {
                 .name("tapline-spool".into())
                 .spawn(move || writer_loop(rx, &shared, &options, &queued))?
         };
-        let uploader = tokio::spawn(upload_loop(store, options.clone(), shared.clone()));
+        let uploader = tokio::spawn(upload::upload_loop(store, options.clone(), shared.clone()));
         Ok((
             Arc::new(Recorder {
                 tx,
@@ -491,228 +492,19 @@ fn seal(spool: &mut Spool, shared: &Shared) {
     }
 }
 
-/// Builds the segment of a sealed spool file, record by record (the file's records are
-/// never decoded all at once: memory stays at one record plus the compressor). This is
-/// the sidecar's biggest burst of CPU (tens of milliseconds per 8 MiB); it yields the
-/// core every 64 KiB so that the threads serving traffic, which share the machine's few
-/// cores, are not held up for a whole scheduler time slice.
-fn build_segment(
-    path: &std::path::Path,
-    level: i32,
-    metrics: &Metrics,
-) -> std::io::Result<(Vec<u8>, tapline_proto::segment::SegmentSummary)> {
-    let mut writer = SegmentWriter::new(Vec::new(), level).map_err(std::io::Error::other)?;
-    let mut since_yield = 0usize;
-    let (mut warned, mut body_errors) = (0u64, 0u64);
-    for_each_sealed(path, |mut record, stored| {
-        if stored == Stored::AsCaptured
-            && let Some(RecordKind::LlmCall(call)) = &mut record.kind
-        {
-            let done = rebuild::complete(call);
-            warned += u64::from(done.warned);
-            body_errors += u64::from(done.body_error);
-        }
-        // Whatever was recorded, the readers must be able to read it (see `limits`).
-        if let Some(RecordKind::LlmCall(call)) = &mut record.kind
-            && crate::limits::fit_call(call, crate::limits::MAX_RECORD_BYTES)
-        {
-            tracing::warn!(
-                span_id = %call.span_id,
-                "record over the readers' limit: cut to fit (see its capture_warnings)"
-            );
-        }
-        writer.append(&record).map_err(std::io::Error::other)?;
-        since_yield += prost::Message::encoded_len(&record);
-        if since_yield >= 64 << 10 {
-            std::thread::yield_now();
-            since_yield = 0;
-        }
-        Ok(())
-    })?;
-    // Counted once per sealed file: a segment is built once per process and then kept
-    // for every upload retry.
-    metrics
-        .capture_warnings
-        .fetch_add(warned, Ordering::Relaxed);
-    metrics
-        .body_errors
-        .fetch_add(body_errors, Ordering::Relaxed);
-    writer.finish().map_err(std::io::Error::other)
-}
-
-/// Errors that retrying will not fix.
-fn is_permanent(error: &object_store::Error) -> bool {
-    use object_store::Error as E;
-    match error {
-        E::PermissionDenied { .. }
-        | E::Unauthenticated { .. }
-        | E::NotSupported { .. }
-        | E::NotImplemented => true,
-        E::NotFound { .. } => true, // the bucket or container does not exist
-        other => {
-            let text = other.to_string();
-            [
-                "InvalidAccessKeyId",
-                "SignatureDoesNotMatch",
-                "AccessDenied",
-                "NoSuchBucket",
-                "403 Forbidden",
-            ]
-            .iter()
-            .any(|needle| text.contains(needle))
-        }
-    }
-}
-
-/// A small xorshift generator for backoff jitter (no need for a cryptographic source).
-fn jitter(state: &mut u64, max: Duration) -> Duration {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    let frac = (*state >> 11) as f64 / (1u64 << 53) as f64;
-    max.mul_f64(0.5 + frac / 2.0)
-}
-
-async fn upload_loop(store: StoreLocation, options: RecorderOptions, shared: Arc<Shared>) {
-    let metrics = &shared.metrics;
-    let mut rng = (now_nanos() as u64) | 1;
-    loop {
-        let next = shared.spool().sealed().into_iter().next();
-        let Some(sealed) = next else {
-            if shared.stopping.load(Ordering::Relaxed) && shared.spool().open_records() == 0 {
-                return;
-            }
-            tokio::select! {
-                () = shared.sealed.notified() => {}
-                () = tokio::time::sleep(Duration::from_millis(250)) => {}
-            }
-            continue;
-        };
-        if shared.past_deadline() {
-            return;
-        }
-        let path = sealed.path.clone();
-        let level = options.zstd_level;
-        let build_metrics = shared.metrics.clone();
-        let built =
-            tokio::task::spawn_blocking(move || build_segment(&path, level, &build_metrics)).await;
-        let (bytes, summary) = match built {
-            Ok(Ok(done)) => done,
-            Ok(Err(error)) => {
-                tracing::error!(%error, file = %sealed.path.display(), "spool file cannot be read; moved aside as .corrupt");
-                metrics
-                    .capture_failures
-                    .fetch_add(sealed.records, Ordering::Relaxed);
-                let mut spool = shared.spool();
-                if let Err(error) = spool.quarantine(sealed.first_seq) {
-                    tracing::error!(%error, "cannot move the damaged spool file aside");
-                    return;
-                }
-                shared.publish_gauges(&spool);
-                continue;
-            }
-            Err(error) => {
-                tracing::error!(%error, "segment builder panicked");
-                return;
-            }
-        };
-        let key = match SegmentKey::new(
-            &options.sidecar_id,
-            sealed.first_seq,
-            sealed.first_written_unix_nanos,
-        ) {
-            Ok(key) => key.to_path(&store.prefix),
-            Err(error) => {
-                tracing::error!(%error, "cannot name segment");
-                return;
-            }
-        };
-        let payload = PutPayload::from(bytes);
-        let mut backoff = Duration::from_millis(200);
-        let mut attempt = 0u32;
-        loop {
-            if attempt > 0 {
-                metrics.upload_retries.fetch_add(1, Ordering::Relaxed);
-            }
-            attempt += 1;
-            let put = store
-                .store
-                .put_opts(&key, payload.clone(), PutOptions::from(PutMode::Create))
-                .await;
-            match put {
-                Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
-                    metrics.segments_uploaded.fetch_add(1, Ordering::Relaxed);
-                    metrics
-                        .records_stored
-                        .fetch_add(summary.records, Ordering::Relaxed);
-                    metrics
-                        .stored_bytes
-                        .fetch_add(summary.object_bytes, Ordering::Relaxed);
-                    metrics
-                        .uncompressed_bytes
-                        .fetch_add(summary.body_bytes, Ordering::Relaxed);
-                    *shared.store_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                    let uploaded = {
-                        let mut spool = shared.spool();
-                        let path = spool.forget(sealed.first_seq);
-                        shared.publish_gauges(&spool);
-                        path
-                    };
-                    shared.space.notify_all();
-                    if let Some(path) = uploaded {
-                        // Not under the spool lock and not on the runtime's threads: an
-                        // unlink can wait for the disk (ext4 online discard).
-                        let deleted = tokio::task::spawn_blocking(move || delete_file(&path)).await;
-                        if let Ok(Err(error)) = deleted {
-                            tracing::error!(%error, "cannot delete an uploaded spool file; it will be uploaded again after a restart (harmless)");
-                        }
-                    }
-                    tracing::debug!(%key, records = summary.records, bytes = summary.object_bytes, "segment stored");
-                    break;
-                }
-                Err(error) => {
-                    metrics.upload_failures.fetch_add(1, Ordering::Relaxed);
-                    let permanent = is_permanent(&error);
-                    if permanent {
-                        metrics
-                            .upload_permanent_errors
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::error!(%error, %key, "segment upload refused by the store; records stay in the spool; fix the store settings (credentials, bucket)");
-                        *shared.store_error.lock().unwrap_or_else(|p| p.into_inner()) =
-                            Some(error.to_string());
-                        backoff = backoff.max(Duration::from_secs(5));
-                    } else {
-                        tracing::warn!(%error, %key, retry_in = ?backoff, "segment upload failed; will retry");
-                    }
-                    if shared.past_deadline() {
-                        return;
-                    }
-                    let wait = jitter(&mut rng, backoff);
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        () = async { while !shared.past_deadline() { tokio::time::sleep(Duration::from_millis(50)).await } } => return,
-                    }
-                    backoff =
-                        (backoff * 2).min(Duration::from_secs(if permanent { 60 } else { 30 }));
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
-    use tapline_proto::segment::{Limits, decode_segment};
     use tapline_proto::{Api, LlmCall, Outcome};
 
-    const STREAM: &str = concat!(
+    /// A chat stream broken by an error chunk.
+    pub(super) const STREAM: &str = concat!(
         "data: {\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}}]}\n\n",
         "data: {\"error\":{\"message\":\"overloaded\"}}\n\n",
     );
 
-    fn captured_call() -> LlmCall {
+    /// A call as the proxy captures it, with [`STREAM`] as its response.
+    pub(super) fn captured_call() -> LlmCall {
         LlmCall {
             span_id: "s1".into(),
             api: Api::ChatCompletions as i32,
@@ -723,19 +515,6 @@ mod tests {
             response_body_size: STREAM.len() as u64,
             ..Default::default()
         }
-    }
-
-    fn built_calls(path: &std::path::Path, metrics: &Metrics) -> Vec<LlmCall> {
-        let (bytes, summary) = build_segment(path, 3, metrics).unwrap();
-        assert_eq!(summary.records, 1);
-        decode_segment(&bytes, Limits::default())
-            .unwrap()
-            .into_iter()
-            .filter_map(|r| match r.kind {
-                Some(RecordKind::LlmCall(call)) => Some(call),
-                _ => None,
-            })
-            .collect()
     }
 
     #[tokio::test]
@@ -768,97 +547,5 @@ mod tests {
             assert!(metrics.oldest_unacked_nanos.load(Ordering::Relaxed) > 0);
         }
         recorder.shutdown(Duration::from_secs(5)).await;
-    }
-
-    /// Regression: a 30 MB request with a 20 MB streamed answer (each under the capture
-    /// cap) became a ~73 MB record that the readers refused, with its whole segment.
-    #[test]
-    fn a_call_too_large_for_the_readers_is_cut_when_its_segment_is_built() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
-        let event = format!(
-            "data: {{\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
-            "x".repeat(1000)
-        );
-        let stream = event.repeat(20_000);
-        let call = LlmCall {
-            request_body: vec![b' '; 30 << 20],
-            request_body_size: 30 << 20,
-            response_body: stream.clone().into_bytes(),
-            response_body_size: stream.len() as u64,
-            ..captured_call()
-        };
-        spool
-            .append("s", 1, &mut Some(RecordKind::LlmCall(call)))
-            .unwrap();
-        let sealed = spool.seal().unwrap().unwrap();
-        let calls = built_calls(&sealed.path, &Metrics::default());
-        let call = &calls[0];
-        assert!(prost::Message::encoded_len(call) <= crate::limits::MAX_RECORD_BYTES);
-        assert_eq!(call.completions[0].text.len(), 20_000 * 1000);
-        assert!(call.response_truncated);
-        assert_eq!(call.response_body_size, stream.len() as u64);
-        assert_eq!(call.request_body.len(), 30 << 20);
-        assert!(
-            call.capture_warnings
-                .iter()
-                .any(|w| w.starts_with("record_too_large: response_body cut")),
-            "{:?}",
-            call.capture_warnings
-        );
-    }
-
-    #[test]
-    fn segments_carry_completed_calls_built_from_the_raw_bytes() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut spool, _) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
-        spool
-            .append("s", 1, &mut Some(RecordKind::LlmCall(captured_call())))
-            .unwrap();
-        let sealed = spool.seal().unwrap().unwrap();
-        // The spool holds the call as captured.
-        let stored = crate::spool::read_sealed(&sealed.path).unwrap();
-        let Some(RecordKind::LlmCall(raw)) = &stored[0].kind else {
-            panic!("not a call: {:?}", stored[0]);
-        };
-        assert!(raw.completions.is_empty());
-        assert_eq!(raw.outcome(), Outcome::Ok);
-
-        let metrics = Metrics::default();
-        let calls = built_calls(&sealed.path, &metrics);
-        assert_eq!(calls[0].completions[0].text, "Hi");
-        assert_eq!(calls[0].outcome(), Outcome::UpstreamError);
-        assert_eq!(calls[0].error, "overloaded");
-        assert_eq!(calls[0].response_body, STREAM.as_bytes());
-        assert_eq!(metrics.body_errors.load(Ordering::Relaxed), 1);
-        assert_eq!(metrics.capture_warnings.load(Ordering::Relaxed), 1);
-    }
-
-    #[test]
-    fn records_of_version_1_spool_files_are_already_complete() {
-        // An older sidecar left a sealed file of format 1: its calls were completed
-        // before they were spooled and must not be completed twice.
-        let dir = tempfile::tempdir().unwrap();
-        let mut call = captured_call();
-        crate::rebuild::complete(&mut call);
-        assert_eq!(call.capture_warnings.len(), 1);
-        let record = tapline_proto::Record::new("s", 1, 1, RecordKind::LlmCall(call.clone()));
-        let payload = prost::Message::encode_to_vec(&record);
-        let path = dir.path().join(format!("{:016x}.sealed", 1));
-        let mut file = std::fs::File::create(&path).unwrap();
-        file.write_all(b"TLSP\x01\0\0\0").unwrap();
-        file.write_all(&(payload.len() as u32).to_le_bytes())
-            .unwrap();
-        file.write_all(&crc32c::crc32c(&payload).to_le_bytes())
-            .unwrap();
-        file.write_all(&payload).unwrap();
-        drop(file);
-
-        let (spool, recovery) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
-        assert_eq!(recovery.records, 1, "a version 1 file is read");
-        let metrics = Metrics::default();
-        let calls = built_calls(&spool.sealed()[0].path, &metrics);
-        assert_eq!(calls, [call]);
-        assert_eq!(metrics.capture_warnings.load(Ordering::Relaxed), 0);
     }
 }

@@ -1,0 +1,170 @@
+//! Record building: the [`Capture`] of a call (its record so far and the response bytes
+//! teed into it), and how the record is completed and handed to the sink, with an ack
+//! that resolves once it is in the spool ([`Spooled`]).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tapline_proto::{LlmCall, Outcome, RecordKind};
+
+use crate::clock::now_nanos;
+use crate::episodes::Attribution;
+use crate::rebuild;
+use crate::sink::Dropped;
+use crate::state::AppState;
+
+/// Resolves once a record is in the spool (or was dropped, counted and flagged).
+pub(super) type Spooled = Pin<Box<dyn std::future::Future<Output = Result<(), Dropped>> + Send>>;
+
+/// Everything known about a call while its response streams.
+pub(super) struct Capture {
+    pub(super) state: Arc<AppState>,
+    /// The record so far.
+    pub(super) call: LlmCall,
+    /// The response body, up to the capture cap.
+    body: Vec<u8>,
+    /// Response bytes received in all.
+    body_size: u64,
+    /// Request body bytes forwarded so far, when the body was longer than the cap and
+    /// streamed through.
+    request_size: Option<Arc<AtomicU64>>,
+}
+
+/// Records the call as aborted by the client if the proxy future is dropped (the client
+/// went away) before the response was handed to it.
+pub(super) struct CallGuard(Option<Capture>);
+
+impl CallGuard {
+    pub(super) fn new(capture: Capture) -> Self {
+        CallGuard(Some(capture))
+    }
+
+    /// The capture, until it is taken.
+    pub(super) fn capture(&mut self) -> &mut Capture {
+        self.0.as_mut().expect("capture is present until taken")
+    }
+
+    pub(super) fn take(&mut self) -> Capture {
+        self.0.take().expect("the capture is taken once")
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if let Some(capture) = self.0.take() {
+            capture.finish(
+                Outcome::ClientAborted,
+                Some("client closed the connection before the response head arrived".to_owned()),
+            );
+        }
+    }
+}
+
+impl Capture {
+    /// A capture of `call`, before any response byte. `request_size` counts the bytes of
+    /// a request body too long to be read before forwarding.
+    pub(super) fn new(
+        state: Arc<AppState>,
+        call: LlmCall,
+        request_size: Option<Arc<AtomicU64>>,
+    ) -> Self {
+        Capture {
+            state,
+            call,
+            body: Vec::new(),
+            body_size: 0,
+            request_size,
+        }
+    }
+
+    /// Tees response bytes into the record (up to the capture cap).
+    pub(super) fn push(&mut self, data: &[u8]) {
+        if self.call.first_byte_unix_nanos == 0 {
+            self.call.first_byte_unix_nanos = now_nanos();
+        }
+        self.body_size += data.len() as u64;
+        let cap = self.state.config.capture_cap_bytes;
+        if self.body.len() < cap {
+            let take = data.len().min(cap - self.body.len());
+            self.body.extend_from_slice(&data[..take]);
+        }
+    }
+
+    fn close(&mut self, outcome: Outcome, error: Option<String>) {
+        self.call.end_unix_nanos = now_nanos();
+        self.call.outcome = outcome as i32;
+        if let Some(error) = error {
+            self.call.error = error;
+        }
+    }
+
+    /// Completes and queues the record on another task (nothing waits for it).
+    pub(super) fn finish(mut self, outcome: Outcome, error: Option<String>) {
+        self.close(outcome, error);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    let ack = self.record();
+                    let _ = ack.await;
+                });
+            }
+            Err(_) => {
+                drop(self.record());
+            }
+        }
+    }
+
+    /// Completes and queues the record now; the ack resolves once it is in the spool.
+    pub(super) fn finish_acked(mut self, outcome: Outcome, error: Option<String>) -> Spooled {
+        self.close(outcome, error);
+        self.record()
+    }
+
+    /// Queues the record as captured; what derives from the raw bytes (the rebuilt
+    /// completion, the final outcome) is filled in when its segment is built
+    /// (`rebuild::complete`), so the response never waits for it.
+    fn record(mut self) -> Spooled {
+        let call = &mut self.call;
+        if let Some(size) = &self.request_size {
+            call.request_body_size = size.load(Ordering::Relaxed);
+        }
+        call.response_truncated = self.body_size > self.body.len() as u64;
+        call.response_body_size = self.body_size;
+        call.response_body = std::mem::take(&mut self.body);
+        // The live count by outcome goes by transport and status; an error reported
+        // inside a 2xx body is counted when the segment is built (`body_errors`).
+        self.state
+            .metrics
+            .outcome(rebuild::by_status(call.outcome(), call.http_status));
+        let episode_id = call.episode_id.clone();
+        let ack = self.state.sink.submit(RecordKind::LlmCall(self.call));
+        let state = self.state;
+        Box::pin(async move {
+            let result = ack.await;
+            if result.is_err() {
+                state
+                    .metrics
+                    .capture_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                if !episode_id.is_empty() {
+                    state.episodes.note_dropped(&episode_id);
+                }
+            }
+            result
+        })
+    }
+}
+
+/// A record with what the attribution says (episode, task, group, sequence, tags).
+pub(super) fn attributed(a: &Attribution, sidecar_id: &str) -> LlmCall {
+    LlmCall {
+        episode_id: a.episode_id.clone(),
+        task_id: a.task_id.clone(),
+        group_id: a.group_id.clone(),
+        seq: a.seq,
+        sidecar_id: sidecar_id.to_owned(),
+        tags: a.tags.clone(),
+        ..Default::default()
+    }
+}
