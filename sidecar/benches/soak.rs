@@ -362,7 +362,7 @@ async fn main() {
             ),
         };
         let mut body = body;
-        if episode_no % 50 == 0 && turn == 0 {
+        if episode_no.is_multiple_of(50) && turn == 0 {
             body["messages"][0]["content"] = json!("x".repeat(1 << 20));
         }
         let url = format!("{base}/e/{episode}/{path}");

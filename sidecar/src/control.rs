@@ -15,10 +15,10 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tapline_proto::{EndStatus, EpisodeEvent, EpisodeEventKind, RecordKind, Reward};
 
+use crate::body::{RespBody, full_body};
+use crate::clock::now_nanos;
 use crate::episodes::{EPISODE_ID_RULE, EpisodeInfo, NotOpen, valid_episode_id};
-use crate::proxy::{RespBody, full_body};
-use crate::server::AppState;
-use crate::sink::now_nanos;
+use crate::state::AppState;
 
 /// Largest control request body accepted.
 const MAX_BODY: usize = 1 << 20;

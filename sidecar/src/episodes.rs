@@ -25,7 +25,7 @@ pub struct EpisodeInfo {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotOpen {
     /// This sidecar never created the episode (or was restarted since, or forgot it
-    /// among more than [`MAX_OTHER_EPISODES`] ended ones).
+    /// among more than 10,000 ended ones).
     Unknown,
     /// The episode was created here and has ended.
     Ended,
