@@ -16,6 +16,7 @@
 //! [`pipeline::prepare`] runs stages 2–6; [`config::RunConfig`] configures them all.
 
 pub mod advantages;
+pub mod batch;
 pub mod chart;
 pub mod clean;
 pub mod config;

@@ -15,40 +15,7 @@ use crate::report::Report;
 use crate::schedule::{self, SeqShape};
 use crate::tokenize::{self, DriftCheck, IdSource};
 
-/// One training sequence with everything the backend needs.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainSequence {
-    /// Episode it belongs to.
-    pub episode_id: String,
-    /// Task of the episode.
-    pub task_id: String,
-    /// Group of the episode.
-    pub group_id: String,
-    /// The episode's combined reward.
-    pub reward: f64,
-    /// Tokens, loss mask, logprobs and the calls in it.
-    pub sequence: Sequence,
-    /// Advantage of each token (0 where the loss mask is 0).
-    pub advantages: Vec<f64>,
-    /// Loss weight of each token (0 where the loss mask is 0).
-    pub weights: Vec<f64>,
-}
-
-/// One micro-batch: sequences whose lengths sum to at most the token budget.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MicroBatch {
-    /// Its sequences, longest first.
-    pub sequences: Vec<TrainSequence>,
-}
-
-/// One mini-batch: one optimizer step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct MiniBatch {
-    /// Its micro-batches.
-    pub micro_batches: Vec<MicroBatch>,
-    /// The normalizers its weights were computed with.
-    pub normalizer: schedule::Normalizer,
-}
+pub use crate::batch::{MicroBatch, MiniBatch, TrainSequence};
 
 /// The result of [`prepare`].
 #[derive(Debug, Default)]

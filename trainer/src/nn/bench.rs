@@ -15,8 +15,8 @@ use tch::{Device, Kind};
 use super::config::{Arch, TransformerConfig};
 use super::model::Transformer;
 use super::train::{self, TrainOptions};
+use crate::batch::{MicroBatch, MiniBatch, TrainSequence};
 use crate::merge::{CallSpan, Sequence};
-use crate::pipeline::{MicroBatch, MiniBatch, TrainSequence};
 use crate::schedule::Normalizer;
 
 /// Named model shapes.

@@ -31,7 +31,7 @@ use super::lora::LoraOptions;
 use super::loss::{self, LossOptions, LossStats, PolicyLoss, TokenInputs};
 use super::model::Transformer;
 use super::optim::{AdamW, LrSchedule, learning_rate};
-use crate::pipeline::{MicroBatch, MiniBatch};
+use crate::batch::{MicroBatch, MiniBatch};
 
 /// Settings of the update (section `[train]` of the run configuration).
 #[derive(Debug, Clone, Serialize, Deserialize)]
