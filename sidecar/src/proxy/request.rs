@@ -221,6 +221,55 @@ pub(super) fn error_chain(error: &dyn std::error::Error) -> String {
 mod tests {
     use super::*;
 
+    /// What an intermediary must do with the framing and connection headers (RFC 9112
+    /// §6.3, RFC 9110 §7.6.1), one rule per block.
+    #[test]
+    fn hop_by_hop_headers_and_conflicting_framing_are_not_forwarded() {
+        let headers = |pairs: &[(&str, &str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(
+                    HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    v.parse().unwrap(),
+                );
+            }
+            h
+        };
+        // Transfer-Encoding overrides Content-Length: the length is removed.
+        let mut h = headers(&[("transfer-encoding", "chunked"), ("content-length", "5")]);
+        remove_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+        // Content-Length alone is the framing: kept.
+        let mut h = headers(&[("content-length", "5")]);
+        remove_hop_by_hop(&mut h);
+        assert_eq!(h["content-length"], "5");
+        // Fields named by Connection are removed with it, in any case and spacing.
+        let mut h = headers(&[
+            ("connection", "X-Trace ,  close"),
+            ("connection", "x-other"),
+            ("x-trace", "1"),
+            ("x-other", "2"),
+            ("x-kept", "3"),
+        ]);
+        remove_hop_by_hop(&mut h);
+        assert_eq!(h.keys().map(|k| k.as_str()).collect::<Vec<_>>(), ["x-kept"]);
+        // The fixed hop-by-hop fields never pass.
+        let mut h = headers(&[
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("te", "trailers"),
+            ("trailer", "x-checksum"),
+            ("upgrade", "h2c"),
+            ("authorization", "Bearer k"),
+        ]);
+        remove_hop_by_hop(&mut h);
+        assert_eq!(
+            h.keys().map(|k| k.as_str()).collect::<Vec<_>>(),
+            ["authorization"],
+            "end-to-end fields pass"
+        );
+    }
+
     #[test]
     fn apis_are_told_apart_by_path() {
         let post = http::Method::POST;
