@@ -11,6 +11,7 @@
 
 pub mod json;
 pub mod keys;
+pub mod policy;
 pub mod segment;
 pub mod store;
 

@@ -108,6 +108,18 @@ pub struct RawConfig {
     /// that never finishes its head cannot hold a shutdown [default: 10].
     #[arg(long, env = "TAPLINE_HEADER_READ_TIMEOUT_SECS")]
     pub header_read_timeout_secs: Option<f64>,
+    /// Follow this policy's announcements (`policies/NAME.json` in the store): calls for
+    /// the model named by --policy-alias go to the announced `NAME@vN` and are recorded
+    /// with `policy_version = N` [default: none, requests pass unchanged].
+    #[arg(long, env = "TAPLINE_POLICY")]
+    pub policy: Option<String>,
+    /// The model name harnesses ask for when they mean the policy [default: the policy
+    /// name].
+    #[arg(long, env = "TAPLINE_POLICY_ALIAS")]
+    pub policy_alias: Option<String>,
+    /// Seconds between two reads of the policy's announcement [default: 2].
+    #[arg(long, env = "TAPLINE_POLICY_POLL_SECS")]
+    pub policy_poll_secs: Option<f64>,
 }
 
 /// Headers recorded by default (lower-case). Credentials are never recorded, whatever
@@ -188,6 +200,19 @@ pub struct Config {
     pub max_connections: usize,
     /// Time allowed for a request head, and for an idle keep-alive connection.
     pub header_read_timeout: Duration,
+    /// The policy to follow, if any.
+    pub policy: Option<PolicyConfig>,
+}
+
+/// `--policy`, `--policy-alias`, `--policy-poll-secs`, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyConfig {
+    /// Policy name (a valid key part).
+    pub name: String,
+    /// Model name that selects the policy in requests.
+    pub alias: String,
+    /// Time between two reads of the announcement.
+    pub poll: Duration,
 }
 
 /// A setting that cannot be used.
@@ -243,6 +268,9 @@ impl RawConfig {
             header_read_timeout_secs: self
                 .header_read_timeout_secs
                 .or(fallback.header_read_timeout_secs),
+            policy: self.policy.or(fallback.policy),
+            policy_alias: self.policy_alias.or(fallback.policy_alias),
+            policy_poll_secs: self.policy_poll_secs.or(fallback.policy_poll_secs),
         }
     }
 
@@ -371,6 +399,26 @@ impl RawConfig {
             self.header_read_timeout_secs,
             10.0,
         )?;
+        let policy = match self.policy {
+            None => {
+                if self.policy_alias.is_some() {
+                    return Err(bad("policy-alias", "needs --policy (the policy it names)"));
+                }
+                None
+            }
+            Some(name) => {
+                tapline_proto::policy::validate_name(&name).map_err(|e| bad("policy", e))?;
+                let alias = self.policy_alias.unwrap_or_else(|| name.clone());
+                if alias.is_empty() || alias.len() > 256 {
+                    return Err(bad("policy-alias", "must be 1 to 256 bytes"));
+                }
+                Some(PolicyConfig {
+                    poll: secs("policy-poll-secs", self.policy_poll_secs, 2.0)?,
+                    name,
+                    alias,
+                })
+            }
+        };
         Ok(Config {
             listen,
             upstream,
@@ -399,6 +447,7 @@ impl RawConfig {
             zstd_level,
             max_connections,
             header_read_timeout,
+            policy,
         })
     }
 }

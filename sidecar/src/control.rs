@@ -583,6 +583,7 @@ fn health(state: &AppState) -> Response<RespBody> {
             "bound_episode": state.episodes.bound(),
             "records_dropped": m.records_dropped.load(Ordering::Relaxed),
             "upload_failures": m.upload_failures.load(Ordering::Relaxed),
+            "policy": state.policy.as_ref().map(|p| p.health()),
         }),
     )
 }

@@ -29,6 +29,7 @@ pub mod episodes;
 pub mod json;
 pub mod limits;
 pub mod metrics;
+pub mod policy;
 pub mod proxy;
 pub mod rebuild;
 pub mod server;

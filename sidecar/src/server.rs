@@ -21,6 +21,7 @@ use crate::body::{RespBody, full_body};
 use crate::config::Config;
 use crate::episodes::Episodes;
 use crate::metrics::Metrics;
+use crate::policy::PolicyFollower;
 use crate::sink::{FullPolicy, Recorder, RecorderOptions};
 use crate::upstream::Upstream;
 
@@ -50,7 +51,11 @@ pub async fn handle(
 ) -> Result<Response<RespBody>, Infallible> {
     let path = req.uri().path();
     if path == "/metrics" && req.method() == http::Method::GET {
-        let mut resp = Response::new(full_body(state.metrics.render(state.episodes.open())));
+        let mut text = state.metrics.render(state.episodes.open());
+        if let Some(policy) = &state.policy {
+            text.push_str(&policy.render_metrics());
+        }
+        let mut resp = Response::new(full_body(text));
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
             header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -104,6 +109,22 @@ impl Sidecar {
             FullPolicy::Block => None,
         };
         let upstream_base = config.upstream.to_string().trim_end_matches('/').to_owned();
+        let (stop, stop_rx) = watch::channel(false);
+        let policy = match &config.policy {
+            Some(p) => {
+                let follower = Arc::new(PolicyFollower::new(
+                    p.clone(),
+                    store.store.clone(),
+                    &store.prefix,
+                ));
+                // The first read before serving, so calls follow an announced policy from
+                // the start; a store that does not answer in time is read again later.
+                let _ = tokio::time::timeout(Duration::from_secs(5), follower.poll()).await;
+                tokio::spawn(follower.clone().run(stop_rx.clone()));
+                Some(follower)
+            }
+            None => None,
+        };
         let state = Arc::new(AppState {
             upstream: upstream(&config)?,
             upstream_base,
@@ -113,9 +134,9 @@ impl Sidecar {
             ack_wait,
             episodes: Episodes::default(),
             metrics,
+            policy,
             config,
         });
-        let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(accept_loop(listener, state.clone(), stop_rx));
         Ok(Sidecar {
             addr,

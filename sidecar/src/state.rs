@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::config::Config;
 use crate::episodes::Episodes;
 use crate::metrics::Metrics;
+use crate::policy::PolicyFollower;
 use crate::sink::{RecordSink, Recorder};
 use crate::upstream::Upstream;
 
@@ -32,4 +33,6 @@ pub struct AppState {
     pub episodes: Episodes,
     /// Counters.
     pub metrics: Arc<Metrics>,
+    /// The policy followed (`--policy`), if any.
+    pub policy: Option<Arc<PolicyFollower>>,
 }

@@ -103,16 +103,34 @@ pub(super) struct SseRewriter {
     /// The line framed last was blank.
     blank: bool,
     injected: Injected,
+    restore: Option<ModelRestore>,
+}
+
+/// `--policy`: the served name to give back as the harness's model name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct ModelRestore {
+    /// The name the upstream served the call under (`NAME@vN`).
+    pub served: String,
+    /// The name the harness asked for.
+    pub alias: String,
+}
+
+impl ModelRestore {
+    /// `bytes` with the served name given back, or `bytes` as they were.
+    pub(super) fn apply(&self, bytes: Bytes) -> Bytes {
+        super::model_name::restore_model(&bytes, &self.served, &self.alias).unwrap_or(bytes)
+    }
 }
 
 impl SseRewriter {
-    pub(super) fn new(injected: Injected) -> Self {
+    pub(super) fn new(injected: Injected, restore: Option<ModelRestore>) -> Self {
         SseRewriter {
             pending: Vec::new(),
             framer: LineFramer::keeping(0),
             start: 0,
             blank: false,
             injected,
+            restore,
         }
     }
 
@@ -143,14 +161,26 @@ impl SseRewriter {
         let rest = self.pending.split_off(end);
         let events = std::mem::replace(&mut self.pending, rest);
         self.start = cut;
-        rewrite_events(&events, self.injected)
+        self.rewrite(&events)
     }
 
     /// Takes the end of the stream: returns what is pending, rewritten.
     pub(super) fn finish(&mut self) -> Bytes {
         let events = std::mem::take(&mut self.pending);
         self.start = self.framer.fed();
-        rewrite_events(&events, self.injected)
+        self.rewrite(&events)
+    }
+
+    fn rewrite(&self, events: &[u8]) -> Bytes {
+        let stripped = if self.injected.any() {
+            rewrite_events(events, self.injected)
+        } else {
+            Bytes::copy_from_slice(events)
+        };
+        match &self.restore {
+            Some(restore) => restore.apply(stripped),
+            None => stripped,
+        }
     }
 }
 
@@ -241,7 +271,7 @@ mod tests {
             logprobs: true,
         };
         let whole = {
-            let mut r = SseRewriter::new(injected);
+            let mut r = SseRewriter::new(injected, None);
             let mut out = r.push(stream).to_vec();
             out.extend_from_slice(&r.finish());
             out
@@ -252,7 +282,7 @@ mod tests {
             "data: {\"id\":\"x\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"logprobs\":null}]}\r\n\r\n: keep-alive\n\ndata: {\"id\":\"x\",\"choices\":[]}\n\ndata: [DONE]\n\n"
         );
         for split in 0..stream.len() {
-            let mut r = SseRewriter::new(injected);
+            let mut r = SseRewriter::new(injected, None);
             let mut out = r.push(&stream[..split]).to_vec();
             out.extend_from_slice(&r.push(&stream[split..]));
             out.extend_from_slice(&r.finish());
@@ -266,7 +296,7 @@ mod tests {
             token_ids: true,
             logprobs: false,
         };
-        let mut r = SseRewriter::new(injected);
+        let mut r = SseRewriter::new(injected, None);
         assert_eq!(&r.push(b": keep-alive\r\n")[..], b"");
         assert_eq!(&r.push(b"\r\n")[..], b": keep-alive\r\n\r\n");
         assert_eq!(

@@ -40,6 +40,7 @@ use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
 
 mod capture;
 mod fidelity;
+mod model_name;
 mod request;
 mod stream;
 
@@ -55,7 +56,7 @@ use crate::sse::TerminalWatch;
 use crate::state::AppState;
 use crate::upstream::SendError;
 use capture::{CallGuard, Capture, Spooled, attributed};
-use fidelity::{Rewrite, SseRewriter};
+use fidelity::{ModelRestore, Rewrite, SseRewriter};
 use request::{
     concat, error_chain, read_capped, recorded_headers, remove_hop_by_hop, request_model,
     split_episode_prefix, take_tapline_headers,
@@ -155,6 +156,34 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         String::new()
     };
 
+    // --policy: a call for the alias goes to the version followed now, under its served
+    // name; the harness gets its own model name back in the response.
+    let routed = if remainder.is_none() {
+        state
+            .policy
+            .as_ref()
+            .and_then(|p| p.route(&request_model))
+            .and_then(|current| {
+                let body = model_name::set_model(&request_bytes, &current.served_model)?;
+                Some((current, body))
+            })
+    } else {
+        None
+    };
+    let (request_bytes, restore, policy_version) = match routed {
+        Some((current, body)) => {
+            if let Some(p) = &state.policy {
+                p.rewrites.fetch_add(1, Ordering::Relaxed);
+            }
+            let restore = ModelRestore {
+                served: current.served_model,
+                alias: request_model.clone(),
+            };
+            (body, Some(restore), Some(current.version))
+        }
+        None => (request_bytes, None, None),
+    };
+
     // Token fidelity: ask vLLM/SGLang for ids and logprobs.
     let injected = if remainder.is_none() {
         inject(state.config.upstream_kind, api, &request_bytes)
@@ -164,13 +193,25 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     let mut headers = parts.headers;
     remove_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
+    if restore.is_some() {
+        // The served name is given back in the response's bytes: ask for them plain.
+        headers.remove(header::ACCEPT_ENCODING);
+    }
     let mut request_size = None;
     let (up_body, injected): (UpBody, Injected) = match (injected, remainder) {
         (Some((bytes, injected)), _) => {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
             (full_body(bytes), injected)
         }
-        (None, None) => (full_body(request_bytes), Injected::default()),
+        (None, None) => {
+            if restore.is_some() {
+                headers.insert(
+                    header::CONTENT_LENGTH,
+                    HeaderValue::from(request_bytes.len()),
+                );
+            }
+            (full_body(request_bytes), Injected::default())
+        }
         (None, Some(rest)) => {
             let counter = Arc::new(AtomicU64::new(read_len as u64));
             request_size = Some(counter.clone());
@@ -305,7 +346,10 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         call.streamed = streamed;
         call.http_status = u32::from(rparts.status.as_u16());
         call.response_headers = recorded_headers(&rparts.headers, &state.config.recorded_headers);
-        if let Some(version) = rparts
+        if let Some(version) = policy_version {
+            // Only a call sent to a version the sidecar can name records one.
+            call.policy_version = version.to_string();
+        } else if let Some(version) = rparts
             .headers
             .get("x-tapline-policy-version")
             .and_then(|v| v.to_str().ok())
@@ -317,7 +361,8 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         rparts.headers.insert(SPAN_ID_HEADER, v);
     }
     let strip = injected.any() && rparts.status.is_success() && content_encoding.is_none();
-    if strip && !streamed {
+    let restore = restore.filter(|_| content_encoding.is_none());
+    if (strip || restore.is_some()) && !streamed {
         // A JSON body is rewritten whole: read it, remove the injected fields, send it.
         let idle = state.config.idle_timeout;
         let body = match tokio::time::timeout(idle, rbody.collect()).await {
@@ -356,11 +401,19 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         };
         let mut capture = guard.take();
         capture.push(&body);
-        let stripped = serde_json::from_slice::<Value>(&body)
-            .ok()
-            .and_then(|mut v| strip_injected(&mut v, injected).then_some(v))
-            .and_then(|v| serde_json::to_vec(&v).ok())
-            .map_or(body, Bytes::from);
+        let stripped = if strip {
+            serde_json::from_slice::<Value>(&body)
+                .ok()
+                .and_then(|mut v| strip_injected(&mut v, injected).then_some(v))
+                .and_then(|v| serde_json::to_vec(&v).ok())
+                .map_or(body, Bytes::from)
+        } else {
+            body
+        };
+        let stripped = match &restore {
+            Some(restore) => restore.apply(stripped),
+            None => stripped,
+        };
         state
             .metrics
             .response_bytes
@@ -384,9 +437,12 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
             .added_latency(sent_at.duration_since(started) + head_at.elapsed());
         return Response::from_parts(rparts, full_body(Bytes::new()));
     }
-    let rewrite = if strip {
+    let rewrite = if strip || restore.is_some() {
         rparts.headers.remove(header::CONTENT_LENGTH);
-        Rewrite::Sse(SseRewriter::new(injected))
+        Rewrite::Sse(SseRewriter::new(
+            if strip { injected } else { Injected::default() },
+            restore,
+        ))
     } else {
         Rewrite::None
     };

@@ -244,7 +244,8 @@ pub async fn send(
 /// Every record in the store, in key order.
 pub async fn records(store: &str) -> Vec<Record> {
     let loc = tapline_proto::store::open_store(store).unwrap();
-    let mut metas: Vec<_> = loc.store.list(None).try_collect().await.unwrap();
+    let root = tapline_proto::keys::segments_root(&loc.prefix);
+    let mut metas: Vec<_> = loc.store.list(Some(&root)).try_collect().await.unwrap();
     metas.sort_by(|a, b| a.location.cmp(&b.location));
     let mut out = Vec::new();
     for m in metas {
