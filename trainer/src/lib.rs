@@ -27,6 +27,7 @@ pub mod model;
 pub mod nn;
 pub mod output;
 pub mod pipeline;
+pub mod publish;
 pub mod report;
 pub mod schedule;
 pub mod template;

@@ -51,6 +51,9 @@ enum Command {
     /// A LoRA adapter merged into its base model → a full HF checkpoint (for servers
     /// that do not take adapters).
     MergeLora(MergeArgs),
+    /// A LoRA adapter → loaded by every inference server as the policy's next version
+    /// (`NAME@vN`), then announced in the store for the sidecars (`--policy NAME`).
+    Publish(PublishArgs),
     /// Update throughput (tokens/s, MFU) on random weights of a real model's shape.
     BenchUpdate(BenchArgs),
     /// Line chart PNG from JSON on stdin: `{"panels": [{"title", "x_label",
@@ -187,6 +190,34 @@ struct ScoreArgs {
 }
 
 #[derive(Args)]
+struct PublishArgs {
+    /// Store URL the sidecars follow (file:///dir, s3://bucket/prefix, gs://, az://, memory://).
+    #[arg(long, env = "TAPLINE_STORE")]
+    store: String,
+    /// Policy name (the sidecars' --policy).
+    #[arg(long)]
+    policy: String,
+    /// The adapter directory (`train` with `[train.lora]` writes one).
+    #[arg(long)]
+    from: PathBuf,
+    /// Base URL of an inference server (repeat for each; every one must load it).
+    #[arg(long = "server", required = true)]
+    servers: Vec<String>,
+    /// The servers' API.
+    #[arg(long, value_enum, default_value = "vllm")]
+    server_kind: tapline_trainer::publish::ServerKind,
+    /// The adapter directory as the servers see it [default: --from, absolute].
+    #[arg(long)]
+    path_on_server: Option<String>,
+    /// Versions kept loaded, the new one included; older ones are unloaded.
+    #[arg(long, default_value_t = 2)]
+    keep_loaded: u64,
+    /// Seconds allowed for one server request.
+    #[arg(long, default_value_t = 120.0)]
+    timeout_secs: f64,
+}
+
+#[derive(Args)]
 struct MergeArgs {
     /// The base model directory (config.json, safetensors, tokenizer).
     #[arg(long)]
@@ -279,10 +310,36 @@ fn main() -> anyhow::Result<()> {
         Command::Train(args) => train(args),
         Command::Score(args) => score(&args),
         Command::MergeLora(args) => merge_lora(&args),
+        Command::Publish(args) => publish(&args),
         Command::BenchUpdate(args) => bench_update(&args),
         Command::Plot(args) => plot(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
     }
+}
+
+fn publish(args: &PublishArgs) -> anyhow::Result<()> {
+    if !(args.timeout_secs.is_finite() && args.timeout_secs > 0.0) {
+        anyhow::bail!(
+            "--timeout-secs {} is not a positive number of seconds",
+            args.timeout_secs
+        );
+    }
+    let location = tapline_proto::store::open_store(&args.store)?;
+    let options = tapline_trainer::publish::PublishOptions {
+        policy: args.policy.clone(),
+        from: args.from.clone(),
+        servers: args.servers.clone(),
+        server_kind: args.server_kind,
+        path_on_server: args.path_on_server.clone(),
+        keep_loaded: args.keep_loaded,
+        timeout: std::time::Duration::from_secs_f64(args.timeout_secs),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let published = runtime.block_on(tapline_trainer::publish::publish(&location, &options))?;
+    println!("{}", serde_json::to_string(&published)?);
+    Ok(())
 }
 
 fn tokenize_stdin(args: &TokenizeArgs) -> anyhow::Result<()> {

@@ -1,0 +1,326 @@
+//! `tapline-trainer publish`: a trained LoRA adapter goes live on the inference servers
+//! under a new policy version, then is announced to the sidecars.
+//!
+//! 1. The next version N is one above every version claimed or announced so far; the
+//!    served name is `NAME@vN` (`tapline_proto::policy`).
+//! 2. N is claimed with a create-only put of `{prefix}/policies/NAME/v{N:020}.json`
+//!    (`PutMode::Create`: `If-None-Match: *` on S3, a hard link on a local disk): of two
+//!    publishers only one gets N, and the other stops before touching any server.
+//! 3. Every server loads the adapter under the served name: vLLM `POST
+//!    /v1/load_lora_adapter` (started with `--enable-lora` and
+//!    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`), SGLang `POST /load_lora_adapter`, both
+//!    `{"lora_name", "lora_path"}`. A server that fails is named, the servers that had
+//!    loaded it unload it again, and nothing is announced (N stays claimed and is
+//!    skipped: versions increase strictly, not always by one).
+//! 4. The announcement `{prefix}/policies/NAME.json` is written (an overwrite: only the
+//!    claim holder of N writes N, and sidecars only ever follow a higher version).
+//! 5. Versions up to N − K (`--keep-loaded K`, default 2) are unloaded, so calls in flight
+//!    on the previous version finish on it.
+//!
+//! Full checkpoints are not published live: vLLM loads new full weights on a restart, and
+//! SGLang's `POST /update_weights_from_disk {"model_path"}` pauses serving while it loads;
+//! adapters are the supported live path (examples/deploy/README.md).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use object_store::{ObjectStore, PutMode, PutOptions};
+use tapline_proto::policy::{self, Announcement};
+use tapline_proto::store::StoreLocation;
+
+/// Which inference server API the servers speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerKind {
+    /// vLLM's runtime LoRA API (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`);
+    /// also what `tapline-policy-server` speaks.
+    Vllm,
+    /// SGLang's (`/load_lora_adapter`, `/unload_lora_adapter`).
+    Sglang,
+}
+
+impl ServerKind {
+    fn load_path(self) -> &'static str {
+        match self {
+            ServerKind::Vllm => "/v1/load_lora_adapter",
+            ServerKind::Sglang => "/load_lora_adapter",
+        }
+    }
+
+    fn unload_path(self) -> &'static str {
+        match self {
+            ServerKind::Vllm => "/v1/unload_lora_adapter",
+            ServerKind::Sglang => "/unload_lora_adapter",
+        }
+    }
+}
+
+/// What to publish where.
+#[derive(Debug, Clone)]
+pub struct PublishOptions {
+    /// Policy name.
+    pub policy: String,
+    /// The adapter directory the trainer wrote.
+    pub from: PathBuf,
+    /// Base URLs of the inference servers.
+    pub servers: Vec<String>,
+    /// Their API.
+    pub server_kind: ServerKind,
+    /// The adapter directory as the servers see it (default: `from`, absolute).
+    pub path_on_server: Option<String>,
+    /// Versions kept loaded (the new one included); older ones are unloaded.
+    pub keep_loaded: u64,
+    /// Time allowed for one server request (loading an adapter reads it from disk).
+    pub timeout: Duration,
+}
+
+/// What was published.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Published {
+    /// The announcement written.
+    pub announcement: Announcement,
+    /// Served names unloaded because they were older than `keep_loaded` allows.
+    pub unloaded: Vec<String>,
+}
+
+/// Path of the object that claims version `version` of `name`.
+fn claim_path(location: &StoreLocation, name: &str, version: u64) -> object_store::path::Path {
+    location
+        .prefix
+        .child(policy::POLICIES_DIR)
+        .child(name)
+        .child(format!("v{version:020}.json"))
+}
+
+/// The announced version of `name`, if any.
+pub async fn announced(
+    location: &StoreLocation,
+    name: &str,
+) -> anyhow::Result<Option<Announcement>> {
+    let path = policy::announcement_path(&location.prefix, name);
+    match location.store.get(&path).await {
+        Ok(got) => {
+            let bytes = got
+                .bytes()
+                .await
+                .with_context(|| format!("reading {path}"))?;
+            Ok(Some(
+                Announcement::parse(&bytes, name).map_err(anyhow::Error::msg)?,
+            ))
+        }
+        Err(object_store::Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {path} in {location}")),
+    }
+}
+
+async fn call(
+    http: &reqwest::Client,
+    server: &str,
+    path: &str,
+    body: serde_json::Value,
+) -> anyhow::Result<()> {
+    let url = format!("{}{path}", server.trim_end_matches('/'));
+    let resp = http
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .with_context(|| format!("POST {url}"))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        bail!("POST {url} answered {status}: {}", text.trim());
+    }
+    Ok(())
+}
+
+/// Publishes the adapter in `options.from` as the next version of `options.policy`.
+pub async fn publish(
+    location: &StoreLocation,
+    options: &PublishOptions,
+) -> anyhow::Result<Published> {
+    policy::validate_name(&options.policy).map_err(anyhow::Error::msg)?;
+    if options.servers.is_empty() {
+        bail!("give at least one --server: the inference servers that serve the policy");
+    }
+    if options.keep_loaded == 0 {
+        bail!("--keep-loaded must be at least 1 (the version being published)");
+    }
+    let from = &options.from;
+    if !from.join("adapter_config.json").is_file() {
+        if from.join("config.json").is_file() {
+            bail!(
+                "{} is a full checkpoint; only LoRA adapters are published live (vLLM loads full weights on a restart, SGLang with POST /update_weights_from_disk; see examples/deploy/README.md)",
+                from.display()
+            );
+        }
+        bail!(
+            "{} is not an adapter directory (no adapter_config.json)",
+            from.display()
+        );
+    }
+    let lora_path = match &options.path_on_server {
+        Some(p) => p.clone(),
+        None => std::path::absolute(from)
+            .with_context(|| format!("absolute path of {}", from.display()))?
+            .display()
+            .to_string(),
+    };
+    let manifest_sha256 = match std::fs::read(from.join("manifest.json")) {
+        Ok(bytes) => crate::ingest::sha256_hex(&bytes),
+        Err(_) => String::new(),
+    };
+    let run = read_run(from);
+
+    let name = &options.policy;
+    let claimed = claimed_versions(location, name).await?;
+    let announced_version = announced(location, name).await?.map_or(0, |a| a.version);
+    let version = claimed.last().copied().unwrap_or(0).max(announced_version) + 1;
+    let served = policy::served_model(name, version);
+    let announcement = Announcement {
+        format: policy::FORMAT.into(),
+        name: name.clone(),
+        version,
+        served_model: served.clone(),
+        adapter: Some(lora_path.clone()),
+        checkpoint: None,
+        run,
+        manifest_sha256,
+        time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    };
+    let bytes = serde_json::to_vec_pretty(&announcement)?;
+
+    // Claim the version before any server is touched: of two publishers, one gets it and
+    // the other stops here, having loaded nothing.
+    let claim = claim_path(location, name, version);
+    let created = location
+        .store
+        .put_opts(
+            &claim,
+            bytes.clone().into(),
+            PutOptions {
+                mode: PutMode::Create,
+                ..Default::default()
+            },
+        )
+        .await;
+    match created {
+        Ok(_) => {}
+        Err(object_store::Error::AlreadyExists { .. }) => bail!(
+            "another publisher claimed version {version} of policy {name} first; nothing was loaded or announced (publish again for the next version)"
+        ),
+        Err(e) => {
+            return Err(e)
+                .with_context(|| format!("claiming version {version} ({claim}) in {location}"));
+        }
+    }
+
+    // Every server loads it, or none keeps it.
+    let http = reqwest::Client::builder()
+        .timeout(options.timeout)
+        .build()
+        .context("HTTP client")?;
+    let mut loaded: Vec<&str> = Vec::new();
+    for server in &options.servers {
+        let body = serde_json::json!({"lora_name": served, "lora_path": lora_path});
+        if let Err(e) = call(&http, server, options.server_kind.load_path(), body).await {
+            unload_from(&http, &loaded, options.server_kind, &served, true).await;
+            return Err(e.context(format!(
+                "server {server} did not load {served}; nothing was announced{} (version {version} stays claimed and is skipped)",
+                if loaded.is_empty() {
+                    String::new()
+                } else {
+                    format!(", and the servers that had loaded it unloaded it again ({})", loaded.join(", "))
+                }
+            )));
+        }
+        loaded.push(server);
+    }
+
+    let path = policy::announcement_path(&location.prefix, name);
+    location
+        .store
+        .put(&path, bytes.into())
+        .await
+        .with_context(|| format!("writing {path} in {location}"))?;
+
+    // Versions older than the kept ones go, once calls on the previous one had time to
+    // finish. Claimed versions that never went live (a failed publish) are tried too.
+    let mut unloaded = Vec::new();
+    if version > options.keep_loaded {
+        let newest_old = version - options.keep_loaded;
+        let servers: Vec<&str> = options.servers.iter().map(String::as_str).collect();
+        for old in claimed
+            .iter()
+            .copied()
+            .filter(|v| *v <= newest_old && *v + UNLOAD_WINDOW > newest_old)
+        {
+            let old_name = policy::served_model(name, old);
+            unload_from(
+                &http,
+                &servers,
+                options.server_kind,
+                &old_name,
+                old == newest_old,
+            )
+            .await;
+            unloaded.push(old_name);
+        }
+    }
+    Ok(Published {
+        announcement,
+        unloaded,
+    })
+}
+
+/// How many versions below the newest unloaded one are unloaded again on each publish
+/// (so a version that a failed request left loaded goes too).
+const UNLOAD_WINDOW: u64 = 8;
+
+/// The versions of `name` claimed so far, ascending.
+async fn claimed_versions(location: &StoreLocation, name: &str) -> anyhow::Result<Vec<u64>> {
+    use futures::TryStreamExt;
+    let dir = location.prefix.child(policy::POLICIES_DIR).child(name);
+    let metas: Vec<_> = location
+        .store
+        .list(Some(&dir))
+        .try_collect()
+        .await
+        .with_context(|| format!("listing {dir} in {location}"))?;
+    let mut versions: Vec<u64> = metas
+        .iter()
+        .filter_map(|m| m.location.filename())
+        .filter_map(|f| f.strip_prefix('v')?.strip_suffix(".json")?.parse().ok())
+        .collect();
+    versions.sort_unstable();
+    Ok(versions)
+}
+
+async fn unload_from(
+    http: &reqwest::Client,
+    servers: &[&str],
+    kind: ServerKind,
+    served: &str,
+    expected: bool,
+) {
+    for server in servers {
+        let body = serde_json::json!({"lora_name": served});
+        if let Err(e) = call(http, server, kind.unload_path(), body).await {
+            if expected {
+                tracing::warn!(server, served, error = %format!("{e:#}"), "could not unload an adapter");
+            } else {
+                tracing::debug!(server, served, error = %format!("{e:#}"), "could not unload an adapter");
+            }
+        }
+    }
+}
+
+/// The run that wrote `dir`, from its manifest (empty when unknown).
+fn read_run(dir: &Path) -> String {
+    std::fs::read(dir.join("manifest.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["run"].as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
