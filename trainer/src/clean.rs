@@ -5,7 +5,14 @@
 //! still within it are *pending*: neither trained nor dropped, read again next run),
 //! `incomplete` (the sidecar flagged dropped records), `non_finite_reward`,
 //! `no_reward` (no final reward and no weighted component), then — after the call
-//! checks — `no_calls`.
+//! checks — `no_calls`, and last `stale_policy` (with `[clean] max_policy_lag = K`: a
+//! call served by version `v` of the policy while `latest` is announced, `latest − v >
+//! K`; `latest` is read once, when the run starts).
+//!
+//! Policy versions: a call the sidecar sent to an announced version records it as a
+//! number (`--policy`, see `tapline_proto::policy`); every other call (before the first
+//! announcement, another model) has no version, is never stale, and is counted as
+//! `unversioned` in the report's lag histogram.
 //!
 //! Call checks: `call_failed` (any outcome but OK, or a non-2xx status),
 //! `call_aborted` (the client went away), `capture_truncated` (request or response body
@@ -41,6 +48,13 @@ pub struct CleanOptions {
     /// Drop groups whose episodes all have the same reward: their advantages are all
     /// zero under every estimator (default true).
     pub drop_zero_variance_groups: bool,
+    /// The policy the calls' versions belong to (the sidecars' `--policy`, the name
+    /// `publish` announces); its announced version is read when the run starts.
+    pub policy: Option<String>,
+    /// Largest lag, in versions, of a call trained on: an episode with a call served
+    /// more than this many versions before the announced one is dropped as
+    /// `stale_policy` (default: no limit; needs `policy`).
+    pub max_policy_lag: Option<u64>,
 }
 
 impl Default for CleanOptions {
@@ -49,6 +63,8 @@ impl Default for CleanOptions {
             grace_period_secs: 3600,
             max_seq_len: 32768,
             drop_zero_variance_groups: true,
+            policy: None,
+            max_policy_lag: None,
         }
     }
 }
@@ -121,6 +137,21 @@ pub fn clean(
             report.drop_episode("no_calls", &id);
             continue;
         }
+        if let Some(latest) = report.policy.latest_version {
+            let lags: Vec<Option<u64>> = calls.iter().map(|c| policy_lag(c, latest)).collect();
+            let stale = options
+                .max_policy_lag
+                .is_some_and(|k| lags.iter().flatten().any(|lag| *lag > k));
+            if stale {
+                report.policy.stale_calls += calls.len() as u64;
+                report.drop_episode("stale_policy", &id);
+                continue;
+            }
+            for lag in lags {
+                let key = lag.map_or_else(|| "unversioned".to_owned(), |l| l.to_string());
+                *report.policy.calls_by_lag.entry(key).or_default() += 1;
+            }
+        }
         out.episodes.push(CleanEpisode {
             episode_id: id,
             task_id: episode.task_id,
@@ -131,6 +162,15 @@ pub fn clean(
         });
     }
     out
+}
+
+/// How many versions `call` is behind `latest`: `None` when the call has no version (a
+/// version newer than `latest`, announced after the run started, counts as 0).
+pub fn policy_lag(call: &LlmCall, latest: u64) -> Option<u64> {
+    call.policy_version
+        .parse::<u64>()
+        .ok()
+        .map(|v| latest.saturating_sub(v))
 }
 
 type Combined = (f64, HashMap<String, f64>);
@@ -368,6 +408,90 @@ mod tests {
         ] {
             assert_eq!(d.episodes.get(reason), Some(&1), "{reason}: {d:?}");
         }
+    }
+
+    #[test]
+    fn episodes_with_calls_too_far_behind_the_announced_policy_are_stale() {
+        let call = |span: &str, prompt: &str, version: &str| {
+            let mut c = ok_call(span, prompt);
+            c.policy_version = version.into();
+            c
+        };
+        let final_reward = || vec![reward("", "", 1.0, 1)];
+        let episodes = vec![
+            // v2 is 3 behind v5: stale with a lag limit of 2, whatever its other calls.
+            ended(
+                "old",
+                vec![
+                    call("a", r#"{"messages":[1]}"#, "2"),
+                    call("b", r#"{"messages":[2]}"#, "5"),
+                ],
+                final_reward(),
+            ),
+            ended(
+                "fresh",
+                vec![
+                    call("c", r#"{"messages":[3]}"#, "3"),
+                    call("d", r#"{"messages":[4]}"#, "5"),
+                ],
+                final_reward(),
+            ),
+            // No version (base model, another model): never stale.
+            ended(
+                "base",
+                vec![call("e", r#"{"messages":[5]}"#, "Qwen/Qwen3-8B")],
+                final_reward(),
+            ),
+            // Announced after the run started: lag 0.
+            ended(
+                "newer",
+                vec![call("f", r#"{"messages":[6]}"#, "6")],
+                final_reward(),
+            ),
+        ];
+        let options = CleanOptions {
+            policy: Some("coder".into()),
+            max_policy_lag: Some(2),
+            ..CleanOptions::default()
+        };
+        let mut report = Report::default();
+        report.policy.latest_version = Some(5);
+        let out = clean(
+            episodes.clone(),
+            &options,
+            &RewardOptions::default(),
+            0,
+            &mut report,
+        );
+        let kept: Vec<_> = out.episodes.iter().map(|e| e.episode_id.as_str()).collect();
+        assert_eq!(kept, ["fresh", "base", "newer"]);
+        assert_eq!(report.dropped.episodes.get("stale_policy"), Some(&1));
+        assert_eq!(report.dropped.examples["stale_policy"], ["old"]);
+        assert_eq!(report.policy.stale_calls, 2);
+        let lags: Vec<(&str, u64)> = report
+            .policy
+            .calls_by_lag
+            .iter()
+            .map(|(k, v)| (k.as_str(), *v))
+            .collect();
+        assert_eq!(lags, [("0", 2), ("2", 1), ("unversioned", 1)]);
+
+        // Without a limit nothing is stale, and the histogram counts every call.
+        let mut report = Report::default();
+        report.policy.latest_version = Some(5);
+        let unlimited = CleanOptions {
+            max_policy_lag: None,
+            ..options
+        };
+        let out = clean(
+            episodes,
+            &unlimited,
+            &RewardOptions::default(),
+            0,
+            &mut report,
+        );
+        assert_eq!(out.episodes.len(), 4);
+        assert_eq!(report.policy.calls_by_lag["3"], 1);
     }
 
     #[test]

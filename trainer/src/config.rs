@@ -171,6 +171,14 @@ impl RunConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         validate_run_name(&self.run).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if let Some(policy) = &self.clean.policy {
+            tapline_proto::policy::validate_name(policy)
+                .map_err(|e| ConfigError::Invalid(format!("clean.policy: {e}")))?;
+        } else if self.clean.max_policy_lag.is_some() {
+            return bad(
+                "clean.max_policy_lag needs clean.policy: the policy whose announced version the lag is counted from".into(),
+            );
+        }
         if self.clean.max_seq_len == 0 {
             return bad("clean.max_seq_len must be at least 1".into());
         }

@@ -152,6 +152,9 @@ pub struct Ingested {
     pub unattributed_calls: u64,
     /// Rewards and events without an episode, and records without a payload.
     pub orphan_records: u64,
+    /// The version of `[clean] policy` announced when the run started (set by the
+    /// caller, which reads it from the store; `None` when no policy or none announced).
+    pub latest_policy_version: Option<u64>,
 }
 
 /// Joins records into episodes: dedupes by `Record.id` (first seen wins), groups by

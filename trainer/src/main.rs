@@ -431,7 +431,13 @@ fn load_and_prepare(
     ))?;
     let ingest_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let ingested = std::mem::take(&mut read.ingested);
+    let mut ingested = std::mem::take(&mut read.ingested);
+    if let Some(policy) = &config.clean.policy {
+        // The version announced now: the lag of every call is counted from it.
+        ingested.latest_policy_version = runtime
+            .block_on(tapline_trainer::publish::announced(&location, policy))?
+            .map(|a| a.version);
+    }
     let mut prepared = tapline_trainer::prepare(ingested, &model, &config, now);
     let prepare_seconds = started.elapsed().as_secs_f64();
     let r = &mut prepared.report.input;

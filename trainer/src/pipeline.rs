@@ -43,6 +43,12 @@ pub fn prepare(
     now_unix_nanos: i64,
 ) -> Prepared {
     let mut report = Report::default();
+    report.policy = crate::report::PolicyCounts {
+        policy: config.clean.policy.clone(),
+        latest_version: ingested.latest_policy_version,
+        max_lag: config.clean.max_policy_lag,
+        ..Default::default()
+    };
     report.input.records = ingested.records;
     report.input.duplicate_records = ingested.duplicate_records;
     report.input.episodes = ingested.episodes.len() as u64;

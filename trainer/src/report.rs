@@ -127,6 +127,22 @@ pub struct BatchCounts {
     pub tokens_with_logprobs: u64,
 }
 
+/// Policy versions of the calls trained on (`[clean] policy`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PolicyCounts {
+    /// The policy.
+    pub policy: Option<String>,
+    /// Its version announced when the run started.
+    pub latest_version: Option<u64>,
+    /// `[clean] max_policy_lag`.
+    pub max_lag: Option<u64>,
+    /// Calls of the episodes kept, by lag (`latest − version`; `unversioned` for calls
+    /// without a version).
+    pub calls_by_lag: BTreeMap<String, u64>,
+    /// Calls of the episodes dropped as `stale_policy`.
+    pub stale_calls: u64,
+}
+
 /// Everything a run reports.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
@@ -142,6 +158,8 @@ pub struct Report {
     pub advantages: AdvantageCounts,
     /// Output.
     pub batches: BatchCounts,
+    /// Policy versions and lags.
+    pub policy: PolicyCounts,
 }
 
 fn bump(map: &mut BTreeMap<String, u64>, key: &str, n: u64) {
@@ -238,6 +256,16 @@ impl Report {
             i.pending_episodes.to_string(),
         );
         row(&mut t, "calls", i.calls.to_string());
+        let p = &self.policy;
+        if let (Some(name), Some(latest)) = (&p.policy, p.latest_version) {
+            let _ = writeln!(t, "policy {name} (announced v{latest})");
+            for (lag, n) in &p.calls_by_lag {
+                row(&mut t, &format!("calls at lag {lag}"), n.to_string());
+            }
+            if p.stale_calls > 0 {
+                row(&mut t, "calls of stale episodes", p.stale_calls.to_string());
+            }
+        }
         let d = &self.dropped;
         for (unit, map) in [
             ("calls", &d.calls),
