@@ -130,6 +130,8 @@ pub struct RunConfig {
     pub schedule: ScheduleOptions,
     /// The policy-gradient update (`train` only).
     pub train: TrainOptions,
+    /// Publishing the trained adapter (`train` only, LoRA runs; see `crate::publish`).
+    pub publish: Option<crate::publish::PublishConfig>,
 }
 
 impl Default for RunConfig {
@@ -143,6 +145,7 @@ impl Default for RunConfig {
             advantages: AdvantageOptions::default(),
             schedule: ScheduleOptions::default(),
             train: TrainOptions::default(),
+            publish: None,
         }
     }
 }
@@ -214,6 +217,19 @@ impl RunConfig {
             return bad("rewards.final_reward_weight must be finite".into());
         }
         self.train.validate().map_err(ConfigError::Invalid)?;
+        if let Some(p) = &self.publish {
+            tapline_proto::policy::validate_name(&p.policy)
+                .map_err(|e| ConfigError::Invalid(format!("publish.policy: {e}")))?;
+            if p.servers.is_empty() {
+                return bad("publish.servers must name at least one inference server".into());
+            }
+            if p.keep_loaded == 0 {
+                return bad("publish.keep_loaded must be at least 1".into());
+            }
+            if self.train.lora.is_none() {
+                return bad("[publish] needs [train.lora]: only adapters are published live (full checkpoints need a server restart)".into());
+            }
+        }
         if let Some((name, w)) = self
             .rewards
             .reward_weights

@@ -814,6 +814,26 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         .write(&out)
         .with_context(|| format!("write {}/manifest.json", out.display()))?;
     loaded.advance_cursor()?;
+    if let Some(publish) = &loaded.config.publish {
+        // After the cursor: the training is done and kept whatever happens here.
+        let options = publish.options(&out);
+        let published = loaded
+            .runtime
+            .block_on(tapline_trainer::publish::publish(&loaded.location, &options))
+            .with_context(|| {
+                format!(
+                    "trained, but not published; retry with `tapline-trainer publish --store {} --policy {} --from {}`",
+                    loaded.location.display,
+                    publish.policy,
+                    out.display()
+                )
+            })?;
+        println!(
+            "train: published {} as {}",
+            out.display(),
+            published.announcement.served_model
+        );
+    }
     println!(
         "train: {} step(s), {} loss tokens of {} tokens, {:.1}s ({:.1}s updating) -> {}",
         result.steps.len(),

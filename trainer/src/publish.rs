@@ -30,7 +30,9 @@ use tapline_proto::policy::{self, Announcement};
 use tapline_proto::store::StoreLocation;
 
 /// Which inference server API the servers speak.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ServerKind {
     /// vLLM's runtime LoRA API (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`);
@@ -52,6 +54,57 @@ impl ServerKind {
         match self {
             ServerKind::Vllm => "/v1/unload_lora_adapter",
             ServerKind::Sglang => "/unload_lora_adapter",
+        }
+    }
+}
+
+/// Section `[publish]` of the run configuration: `train` publishes the adapter it wrote
+/// when the section is present (LoRA runs only).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishConfig {
+    /// Policy name (the sidecars' `--policy`).
+    pub policy: String,
+    /// Base URLs of the inference servers.
+    pub servers: Vec<String>,
+    /// Their API (default `vllm`).
+    #[serde(default = "default_kind")]
+    pub server_kind: ServerKind,
+    /// The output directory as the servers see it; `{out_name}` is replaced by the
+    /// name of `--out` (default: `--out`, absolute).
+    #[serde(default)]
+    pub path_on_server: Option<String>,
+    /// Versions kept loaded (default 2).
+    #[serde(default = "default_keep")]
+    pub keep_loaded: u64,
+}
+
+fn default_kind() -> ServerKind {
+    ServerKind::Vllm
+}
+
+fn default_keep() -> u64 {
+    2
+}
+
+impl PublishConfig {
+    /// The options to publish `out` with.
+    pub fn options(&self, out: &Path) -> PublishOptions {
+        let out_name = out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        PublishOptions {
+            policy: self.policy.clone(),
+            from: out.to_owned(),
+            servers: self.servers.clone(),
+            server_kind: self.server_kind,
+            path_on_server: self
+                .path_on_server
+                .as_ref()
+                .map(|p| p.replace("{out_name}", &out_name)),
+            keep_loaded: self.keep_loaded,
+            timeout: Duration::from_secs(120),
         }
     }
 }

@@ -68,6 +68,55 @@ fn trace() -> Trace {
     t
 }
 
+/// An inference server that takes every adapter: records `(path, body)` of each request
+/// and answers 200 (std threads, so it answers while the test blocks on a process).
+fn adapter_server() -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>> = Default::default();
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for mut socket in listener.incoming().flatten() {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            let (end, len) = loop {
+                let n = socket.read(&mut buf).unwrap_or(0);
+                if n == 0 {
+                    break (0, 0);
+                }
+                got.extend_from_slice(&buf[..n]);
+                if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&got[..end]).to_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    break (end + 4, len);
+                }
+            };
+            while end > 0 && got.len() < end + len {
+                let n = socket.read(&mut buf).unwrap_or(0);
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            let head = String::from_utf8_lossy(&got[..end]).into_owned();
+            let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
+            let body = serde_json::from_slice(&got[end..]).unwrap_or(Value::Null);
+            log.lock().unwrap().push((path, body));
+            let _ = socket.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\nconnection: close\r\n\r\nSuccess",
+            );
+        }
+    });
+    (url, seen)
+}
+
 fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).expect("read file")).expect("JSON file")
 }
@@ -283,9 +332,40 @@ async fn train_with_lora_writes_a_peft_adapter_that_scores_merges_and_resumes() 
         c
     };
     let out = tmp.path().join("adapter-1");
-    let (ok, stdout, stderr) = run(&mut train(&out, &config(8), &[]));
+    // The first run also publishes its adapter ([publish]).
+    let (server, seen) = adapter_server();
+    let publishing = tmp.path().join("lora-8-publish.toml");
+    std::fs::write(
+        &publishing,
+        format!(
+            "{}\n[publish]\npolicy = \"coder\"\nservers = [\"{server}\"]\npath_on_server = \"/adapters/{{out_name}}\"\n",
+            std::fs::read_to_string(config(8)).unwrap()
+        ),
+    )
+    .unwrap();
+    let (ok, stdout, stderr) = run(&mut train(&out, &publishing, &[]));
     assert!(ok, "train failed: {stderr}\n{stdout}");
     assert!(stdout.contains("LoRA r 8 alpha 16"), "{stdout}");
+    assert!(
+        stdout.contains("published") && stdout.contains("coder@v1"),
+        "{stdout}"
+    );
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        [(
+            "/v1/load_lora_adapter".to_owned(),
+            json!({"lora_name": "coder@v1", "lora_path": "/adapters/adapter-1"})
+        )]
+    );
+    let announced = tapline_trainer::publish::announced(&store, "coder")
+        .await
+        .unwrap()
+        .expect("the version is announced");
+    assert_eq!(announced.version, 1);
+    assert_eq!(
+        announced.manifest_sha256,
+        tapline_trainer::ingest::sha256_hex(&std::fs::read(out.join("manifest.json")).unwrap())
+    );
     for f in [
         "adapter_config.json",
         "adapter_model.safetensors",
