@@ -611,7 +611,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     // Refuse a finished output directory before any work.
     checkpoint::prepare_dir(&out)?;
     let device = nn::parse_device(&args.device)?;
-    let loaded = load_and_prepare(&args.prepare, |c| {
+    let mut loaded = load_and_prepare(&args.prepare, |c| {
         if let Some(lr) = args.lr {
             c.train.lr = lr;
         }
@@ -626,6 +626,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         }
     })?;
     print!("{}", loaded.prepared.report.table());
+    loaded.config.train.latest_policy_version = loaded.prepared.report.policy.latest_version;
     let options = &loaded.config.train;
     let kind = nn::parse_dtype(&options.dtype, device)?;
     let model_dir = args.prepare.model.model.clone();
@@ -787,6 +788,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
             })
             .collect(),
         report: serde_json::to_value(&loaded.prepared.report)?,
+        importance_by_lag: serde_json::to_value(&result.importance_by_lag)?,
         loss_tokens_trained: result.loss_tokens,
         tokens_trained: result.tokens,
         steps: result.steps.clone(),

@@ -154,6 +154,54 @@ fn loss_token_logprobs(model: &Transformer, s: &TrainSequence) -> f64 {
 }
 
 #[test]
+fn importance_ratios_are_reported_by_policy_lag() {
+    let dir = tiny("llama", 5, &[]);
+    let mut model = load(dir.path());
+    // Inference log-probs equal to the trainer's (ratio 1) at version 3, and 0.5 nats
+    // below them (ratio e^0.5) at version 1; one sequence without a version.
+    let at = |model: &Transformer, seed: u64, version: &str, shift: f64| {
+        let ids = random_ids(20, 320, seed);
+        let lp = model.sequence_logprobs(&ids, 16).unwrap();
+        let mut s = seq(&ids, 1.0, 1.0 / 20.0);
+        for t in 1..ids.len() {
+            if s.sequence.loss_mask[t] == 1 {
+                s.sequence.logprobs[t] = Some(f64::from(lp[t - 1]) - shift);
+            }
+        }
+        s.sequence.spans[0].policy_version = version.into();
+        s
+    };
+    let batch = mini(vec![
+        at(&model, 1, "3", 0.0),
+        at(&model, 2, "1", 0.5),
+        at(&model, 3, "", 0.0),
+    ]);
+    let options = TrainOptions {
+        latest_policy_version: Some(3),
+        ..TrainOptions::default()
+    };
+    let mut optimizer = options.optimizer(&mut model);
+    let result = train::train(&mut model, &mut optimizer, &[batch], &options, 0, |_| {}).unwrap();
+    let by_lag = &result.importance_by_lag;
+    assert_eq!(
+        by_lag.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["0", "2", "unversioned"]
+    );
+    assert_eq!(by_lag["0"].tokens, 10);
+    assert!((by_lag["0"].mean_ratio - 1.0).abs() < 1e-4, "{by_lag:?}");
+    assert!(
+        (by_lag["2"].mean_ratio - 0.5f64.exp()).abs() < 1e-3,
+        "{by_lag:?}"
+    );
+    // Without an announced version nothing is grouped.
+    let later = mini(vec![at(&model, 4, "3", 0.0)]);
+    let options = TrainOptions::default();
+    let mut optimizer = options.optimizer(&mut model);
+    let again = train::train(&mut model, &mut optimizer, &[later], &options, 0, |_| {}).unwrap();
+    assert!(again.importance_by_lag.is_empty());
+}
+
+#[test]
 fn a_step_raises_positive_and_lowers_negative_advantage_tokens() {
     let dir = tiny("llama", 5, &[]);
     let mut model = load(dir.path());

@@ -106,6 +106,9 @@ pub struct RunManifest {
     pub tokens_trained: u64,
     /// Per-step metrics.
     pub steps: Vec<StepMetrics>,
+    /// Mean importance ratio (trainer / inference) by policy lag (see
+    /// `TrainResult::importance_by_lag`; the lag histogram of the calls is in `report`).
+    pub importance_by_lag: Value,
     /// Time, device and memory.
     pub compute: Compute,
     /// The checkpoint written.

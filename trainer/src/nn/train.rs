@@ -82,6 +82,11 @@ pub struct TrainOptions {
     /// Train a LoRA adapter instead of every weight (section `[train.lora]`; absent:
     /// full fine-tune).
     pub lora: Option<LoraOptions>,
+    /// The policy version announced when the run started (`[clean] policy`), from which
+    /// the lag of each call's tokens is counted in [`TrainResult::importance_by_lag`].
+    /// Not a setting: the run fills it in.
+    #[serde(skip)]
+    pub latest_policy_version: Option<u64>,
 }
 
 impl Default for TrainOptions {
@@ -109,6 +114,7 @@ impl Default for TrainOptions {
             dtype: "auto".into(),
             seed: 0,
             lora: None,
+            latest_policy_version: None,
         }
     }
 }
@@ -309,6 +315,8 @@ pub struct Gathered {
     pub weights: Tensor,
     /// Inference log-probs `[n]` (NaN where absent).
     pub inference: Tensor,
+    /// Policy version of the call that sampled each token `[n]` (−1 when it has none).
+    pub version: Tensor,
     /// Sequence of each token `[n]`.
     pub sequence: Tensor,
     /// Sequences.
@@ -333,10 +341,18 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
     let mut ids = vec![0i64; b * t];
     let (mut rows, mut targets, mut adv, mut w, mut inf, mut seq) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut version = vec![];
     let mut tokens = 0u64;
     for (i, s) in mb.sequences.iter().enumerate() {
         let q = &s.sequence;
         tokens += q.len() as u64;
+        let version_at = |j: usize| {
+            q.spans
+                .iter()
+                .find(|c| (c.start..c.end).contains(&j))
+                .and_then(|c| c.policy_version.parse::<i64>().ok())
+                .unwrap_or(-1)
+        };
         for (j, id) in q.token_ids.iter().enumerate() {
             ids[i * t + j] = i64::from(*id);
         }
@@ -350,6 +366,7 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
             w.push(s.weights[j] as f32);
             inf.push(q.logprobs[j].map_or(f32::NAN, |x| x as f32));
             seq.push(i as i64);
+            version.push(version_at(j));
         }
     }
     let f = |v: &[f32]| Tensor::from_slice(v).to_device(device);
@@ -362,6 +379,7 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
         advantages: f(&adv),
         weights: f(&w),
         inference: f(&inf),
+        version: l(&version),
         sequence: l(&seq),
         sequences: b as i64,
         tokens,
@@ -386,6 +404,17 @@ pub fn micro_step(
     g: &Gathered,
     old: Option<&Tensor>,
     options: &TrainOptions,
+) -> (LossStats, f64) {
+    micro_step_with(model, g, old, options, |_| {})
+}
+
+/// [`micro_step`], handing the old log-probs it used (`[n]`, no graph) to `on_old`.
+pub fn micro_step_with(
+    model: &Transformer,
+    g: &Gathered,
+    old: Option<&Tensor>,
+    options: &TrainOptions,
+    on_old: impl FnOnce(&Tensor),
 ) -> (LossStats, f64) {
     if g.n == 0 {
         return (LossStats::default(), 0.0);
@@ -419,6 +448,7 @@ pub fn micro_step(
     // 3. loss on a leaf
     let lp_leaf = lp.detach().set_requires_grad(true);
     let old = old.map_or_else(|| lp.detach(), Tensor::shallow_clone);
+    on_old(&old);
     let inputs = TokenInputs {
         old: &old,
         inference: &g.inference,
@@ -473,6 +503,53 @@ pub struct TrainResult {
     pub old_logprob_seconds: f64,
     /// Seconds of the whole update.
     pub seconds: f64,
+    /// Mean importance ratio `π_trainer_old / π_inference` of the tokens with an
+    /// inference log-prob, by the lag of the policy version that sampled them
+    /// (`latest − version`, or `unversioned`); empty when no version was announced.
+    /// Off-policy drift shows as a mean that moves away from 1 as the lag grows.
+    pub importance_by_lag: std::collections::BTreeMap<String, LagRatio>,
+}
+
+/// Importance ratios of the tokens at one lag.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct LagRatio {
+    /// Tokens with an inference log-prob.
+    pub tokens: u64,
+    /// Their mean ratio (first epoch only: later epochs see their own updates).
+    pub mean_ratio: f64,
+}
+
+/// Adds one micro-batch's ratios to `by_lag`.
+fn add_lag_ratios(
+    by_lag: &mut std::collections::BTreeMap<String, LagRatio>,
+    latest: u64,
+    g: &Gathered,
+    old: &Tensor,
+) {
+    let ratio = (old - &g.inference)
+        .exp()
+        .to_device(Device::Cpu)
+        .to_kind(Kind::Double);
+    let versions = g.version.to_device(Device::Cpu);
+    let (Ok(ratio), Ok(versions)) = (
+        Vec::<f64>::try_from(&ratio),
+        Vec::<i64>::try_from(&versions),
+    ) else {
+        return;
+    };
+    for (r, v) in ratio.into_iter().zip(versions) {
+        if !r.is_finite() {
+            continue; // no inference log-prob
+        }
+        let key = u64::try_from(v).map_or_else(
+            |_| "unversioned".to_owned(),
+            |v| latest.saturating_sub(v).to_string(),
+        );
+        let e = by_lag.entry(key).or_default();
+        // Running mean, so no sum grows without bound.
+        e.tokens += 1;
+        e.mean_ratio += (r - e.mean_ratio) / e.tokens as f64;
+    }
 }
 
 /// Runs every mini-batch `epochs` times with `optimizer` (made by
@@ -525,6 +602,7 @@ pub fn train(
         tokens: 0,
         old_logprob_seconds,
         seconds: 0.0,
+        importance_by_lag: Default::default(),
     };
     let mut step = first_step;
     for epoch in 0..options.epochs {
@@ -538,7 +616,12 @@ pub fn train(
             let mut rewards = std::collections::BTreeMap::new();
             for (m, micro) in mb.micro_batches.iter().enumerate() {
                 let g = gather(micro, device);
-                let (s, e) = micro_step(model, &g, old[k][m].as_ref(), options);
+                let by_lag = &mut result.importance_by_lag;
+                let (s, e) = micro_step_with(model, &g, old[k][m].as_ref(), options, |old| {
+                    if let (Some(latest), 0) = (options.latest_policy_version, epoch) {
+                        add_lag_ratios(by_lag, latest, &g, old);
+                    }
+                });
                 stats.merge(&s);
                 entropy += e;
                 tokens += g.tokens;
