@@ -237,10 +237,9 @@ async fn of_two_concurrent_publishers_exactly_one_gets_each_version() {
         if versions.len() == 2 {
             assert_ne!(versions[0], versions[1], "round {round}");
         } else {
-            let loser = if r1.is_err() {
-                r1.unwrap_err()
-            } else {
-                r2.unwrap_err()
+            let loser = match (r1, r2) {
+                (Err(e), _) | (_, Err(e)) => e,
+                _ => unreachable!("one of the two failed"),
             };
             assert!(
                 format!("{loser:#}").contains("another publisher claimed version"),
