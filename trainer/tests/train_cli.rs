@@ -70,14 +70,14 @@ fn trace() -> Trace {
 
 /// An inference server that takes every adapter: records `(path, body)` of each request
 /// and answers 200 (std threads, so it answers while the test blocks on a process).
-fn adapter_server() -> (
-    String,
-    std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
-) {
+/// Requests an [`adapter_server`] received: `(path, JSON body)`.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>;
+
+fn adapter_server() -> (String, Seen) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let seen: std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>> = Default::default();
+    let seen: Seen = Default::default();
     let log = seen.clone();
     std::thread::spawn(move || {
         for mut socket in listener.incoming().flatten() {
