@@ -63,7 +63,7 @@ enum Command {
     Tokenize(TokenizeArgs),
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct ModelArgs {
     /// Model directory: tokenizer.json, tokenizer_config.json, optionally
     /// chat_template.jinja and generation_config.json.
@@ -97,7 +97,7 @@ impl ModelArgs {
     }
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct PrepareArgs {
     /// Store URL (file:///dir, s3://bucket/prefix, gs://, az://, memory://).
     #[arg(long, env = "TAPLINE_STORE")]
@@ -140,7 +140,7 @@ struct PrepareArgs {
     now_unix_secs: Option<i64>,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct TrainArgs {
     #[command(flatten)]
     prepare: PrepareArgs,
@@ -171,6 +171,19 @@ struct TrainArgs {
     /// Start with a new optimizer state even when the weights come with one.
     #[arg(long)]
     fresh_optimizer: bool,
+    /// Train continuously: wait for --min-episodes new ended episodes, train on them
+    /// into `--out/NNNNNN` (each run continuing from the one before, optimizer state
+    /// included), publish when the config has `[publish]`, repeat. SIGTERM or Ctrl-C
+    /// ends the current step, writes its checkpoint, manifest and cursor, and exits.
+    #[arg(long)]
+    follow: bool,
+    /// With --follow: episodes ready to train on before a run starts [default: the
+    /// config's schedule.mini_batch_episodes].
+    #[arg(long, requires = "follow")]
+    min_episodes: Option<usize>,
+    /// With --follow: seconds between two looks at the store while waiting.
+    #[arg(long, default_value_t = 10.0, requires = "follow")]
+    poll_secs: f64,
 }
 
 #[derive(Args)]
@@ -602,7 +615,105 @@ fn load_start(
     })
 }
 
+/// SIGTERM / Ctrl-C seen (`train --follow`).
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn stop_requested() -> bool {
+    STOP.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Sets [`STOP`] on SIGTERM or SIGINT, from a thread of its own.
+fn watch_signals() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::spawn(move || {
+        runtime.block_on(async {
+            let Ok(mut term) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            eprintln!("train: stop requested; finishing the current step");
+            STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+    });
+    Ok(())
+}
+
 fn train(args: TrainArgs) -> anyhow::Result<()> {
+    if !args.follow {
+        train_once(&args, None).map(|_| ())
+    } else {
+        follow(args)
+    }
+}
+
+/// `train --follow`: runs into `--out/000001`, `--out/000002`, ... each continuing from
+/// the one before.
+fn follow(args: TrainArgs) -> anyhow::Result<()> {
+    if !(args.poll_secs.is_finite() && args.poll_secs > 0.0) {
+        anyhow::bail!(
+            "--poll-secs {} is not a positive number of seconds",
+            args.poll_secs
+        );
+    }
+    watch_signals()?;
+    let base = args.prepare.out.clone();
+    std::fs::create_dir_all(&base).with_context(|| format!("create {}", base.display()))?;
+    // Continue after the runs already in --out (a restarted follower).
+    let mut previous: Option<(u64, PathBuf)> = std::fs::read_dir(&base)?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let n: u64 = e.file_name().to_str()?.parse().ok()?;
+            e.path()
+                .join("manifest.json")
+                .is_file()
+                .then(|| (n, e.path()))
+        })
+        .max();
+    loop {
+        let n = previous.as_ref().map_or(1, |(n, _)| n + 1);
+        let mut run = args.clone();
+        run.prepare.out = base.join(format!("{n:06}"));
+        if let Some((_, dir)) = &previous {
+            run.resume = Some(dir.clone());
+            run.adapter = None;
+            run.fresh_optimizer = false;
+        }
+        if run.prepare.out.exists() {
+            // A run that stopped before its manifest: start it again.
+            std::fs::remove_dir_all(&run.prepare.out)
+                .with_context(|| format!("remove the unfinished {}", run.prepare.out.display()))?;
+        }
+        let trained = train_once(&run, args.min_episodes.or(Some(0)))?;
+        if trained {
+            previous = Some((n, run.prepare.out.clone()));
+        }
+        if stop_requested() {
+            println!("train: stopped");
+            return Ok(());
+        }
+        if !trained {
+            let until = Instant::now() + std::time::Duration::from_secs_f64(args.poll_secs);
+            while Instant::now() < until && !stop_requested() {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            if stop_requested() {
+                println!("train: stopped");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// One training run. With `min_episodes` (--follow), returns `false` without training
+/// when fewer episodes than that (or than a mini-batch, for `Some(0)`) are ready.
+fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<bool> {
     let started = Instant::now();
     let started_unix_secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -625,6 +736,29 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
             c.train.dtype = d.clone();
         }
     })?;
+    if let Some(min) = min_episodes {
+        let min = if min == 0 {
+            loaded.config.schedule.mini_batch_episodes.max(1)
+        } else {
+            min
+        };
+        let ready: std::collections::HashSet<&str> = loaded
+            .prepared
+            .mini_batches
+            .iter()
+            .flat_map(|mb| &mb.micro_batches)
+            .flat_map(|m| &m.sequences)
+            .map(|s| s.episode_id.as_str())
+            .collect();
+        if ready.len() < min {
+            println!(
+                "train: {} episode(s) ready to train on, waiting for {min}",
+                ready.len()
+            );
+            return Ok(false);
+        }
+        loaded.config.train.stop = Some(&STOP);
+    }
     print!("{}", loaded.prepared.report.table());
     loaded.config.train.latest_policy_version = loaded.prepared.report.policy.latest_version;
     let options = &loaded.config.train;
@@ -638,7 +772,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         lora,
         adapter_from,
         state_dir,
-    } = load_start(&args, options, device, kind)?;
+    } = load_start(args, options, device, kind)?;
     let mut optimizer = options.optimizer(&mut model);
     let resumed = match &state_dir {
         Some(dir) if !args.fresh_optimizer && nn::optim::has_state(dir) => {
@@ -845,7 +979,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         result.seconds,
         out.display()
     );
-    Ok(())
+    Ok(true)
 }
 
 fn merge_lora(args: &MergeArgs) -> anyhow::Result<()> {

@@ -23,7 +23,12 @@ fn answer(text: &str) -> Turn {
 
 /// Two tasks × four episodes × two calls (answer, feedback, answer again).
 fn trace() -> Trace {
-    let mut t = Trace::new("sc-train", T0);
+    trace_of("sc-train", "")
+}
+
+/// The same episodes from sidecar `sidecar`, their ids prefixed with `prefix`.
+fn trace_of(sidecar: &str, prefix: &str) -> Trace {
+    let mut t = Trace::new(sidecar, T0);
     for (task, question, answers) in [
         ("add", "What is 2 + 3?", ["5", "6", "5", "4"]),
         (
@@ -33,7 +38,7 @@ fn trace() -> Trace {
         ),
     ] {
         for (i, first) in answers.iter().enumerate() {
-            let episode = format!("{task}-{i}");
+            let episode = format!("{prefix}{task}-{i}");
             t.start(&episode, task, "g");
             let mut messages = vec![json!({"role": "user", "content": question})];
             let request = json!({"model": "m", "messages": messages.clone()});
@@ -472,4 +477,115 @@ async fn train_with_lora_writes_a_peft_adapter_that_scores_merges_and_resumes() 
         stderr.contains("full checkpoint") && stderr.contains("[train.lora]"),
         "{stderr}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn train_follow_trains_each_new_batch_and_stops_cleanly_on_sigterm() {
+    let model = common::smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = format!("file://{}", tmp.path().join("store").display());
+    let store = open_store(&store_url).unwrap();
+    trace_of("sc-first", "a-").write(&store, 9).await;
+    let config = tmp.path().join("lora.toml");
+    std::fs::write(
+        &config,
+        "[train]\nlr = 5e-4\n\n[train.lora]\nrank = 4\nalpha = 8\n",
+    )
+    .unwrap();
+    let base = tmp.path().join("runs");
+    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    let mut child = trainer()
+        .args([
+            "train",
+            "--follow",
+            "--min-episodes",
+            "8",
+            "--poll-secs",
+            "0.2",
+        ])
+        .args(["--store", &store_url, "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&base)
+        .arg("--config")
+        .arg(&config)
+        .args(["--now-unix-secs", &now, "--mini-batch-episodes", "8"])
+        .args(["--max-seq-len", "512", "--micro-batch-tokens", "512"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let wait_for = |path: std::path::PathBuf| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        while !path.is_file() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} never appeared",
+                path.display()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    wait_for(base.join("000001/manifest.json"));
+    // Nothing new: it waits. Then a second batch arrives and is trained on, from the
+    // first run's adapter and optimizer state.
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    assert!(!base.join("000002").join("manifest.json").exists());
+    trace_of("sc-second", "b-").write(&store, 9).await;
+    wait_for(base.join("000002/manifest.json"));
+    std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let status = child.wait().unwrap();
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(
+        status.success(),
+        "follow exited with {status}: {stderr}\n{stdout}"
+    );
+    assert!(stdout.contains("train: stopped"), "{stdout}");
+
+    let first = read_json(&base.join("000001/manifest.json"));
+    let second = read_json(&base.join("000002/manifest.json"));
+    let keys = |m: &Value| -> Vec<String> {
+        m["input_segments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["key"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(
+        !keys(&first).is_empty() && keys(&first).iter().all(|k| k.contains("sc-first")),
+        "{:?}",
+        keys(&first)
+    );
+    assert!(
+        !keys(&second).is_empty() && keys(&second).iter().all(|k| k.contains("sc-second")),
+        "{:?}",
+        keys(&second)
+    );
+    assert_eq!(
+        second["resumed"]["from"].as_str().unwrap(),
+        base.join("000001").display().to_string()
+    );
+    assert_eq!(
+        second["model"]["global_step_before"],
+        first["steps"].as_array().unwrap().len() as u64
+    );
+    assert!(!base.join("000003").join("manifest.json").exists());
+    // The cursor holds both batches: a prepare of the same run finds nothing new.
+    let out = tmp.path().join("after");
+    let (ok, stdout, stderr) = run(trainer()
+        .args(["prepare", "--store", &store_url, "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&out)
+        .args(["--now-unix-secs", &now]));
+    assert!(ok, "{stderr}");
+    let report = read_json(&out.join("report.json"));
+    assert_eq!(report["input"]["segments"], 0, "{stdout}");
 }

@@ -87,6 +87,10 @@ pub struct TrainOptions {
     /// Not a setting: the run fills it in.
     #[serde(skip)]
     pub latest_policy_version: Option<u64>,
+    /// When set, the update ends after the step during which it became true (`train
+    /// --follow` on SIGTERM); the steps done are kept. Not a setting.
+    #[serde(skip)]
+    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 impl Default for TrainOptions {
@@ -115,6 +119,7 @@ impl Default for TrainOptions {
             seed: 0,
             lora: None,
             latest_policy_version: None,
+            stop: None,
         }
     }
 }
@@ -605,7 +610,7 @@ pub fn train(
         importance_by_lag: Default::default(),
     };
     let mut step = first_step;
-    for epoch in 0..options.epochs {
+    'epochs: for epoch in 0..options.epochs {
         for (k, mb) in mini_batches.iter().enumerate() {
             let step_started = Instant::now();
             optimizer.zero_grad();
@@ -678,6 +683,12 @@ pub fn train(
             on_step(&metrics);
             result.steps.push(metrics);
             step += 1;
+            if options
+                .stop
+                .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
+            {
+                break 'epochs;
+            }
         }
     }
     model.set_requires_grad(false);
