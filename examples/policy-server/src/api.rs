@@ -100,6 +100,9 @@ pub fn tokenize_error(error: &TokenizeError) -> ApiError {
 /// A checked chat completions request.
 #[derive(Debug, Clone)]
 pub struct ChatParams {
+    /// The requested model: an adapter loaded by `/v1/load_lora_adapter` under this
+    /// name serves the request; any other name, the base weights.
+    pub model: Option<String>,
     /// Messages, tools, template kwargs and generation-prompt flags, read by the trainer's
     /// own code so that the prompt ids equal the trainer's.
     pub request: ChatRequest,
@@ -353,6 +356,7 @@ impl ChatParams {
         }
         let return_token_ids = boolean(obj, "return_token_ids")?.unwrap_or(false);
         Ok(ChatParams {
+            model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
             request,
             stream,
             include_usage,

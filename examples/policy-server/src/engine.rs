@@ -8,6 +8,11 @@
 //! the token's log-probability under the unmodified distribution, decode the visible
 //! text ([`crate::text`]), stop on a stop token, a stop string or the token limit. It
 //! stops early when the client has gone (its event receiver is dropped).
+//!
+//! Adapters loaded by name (`/v1/load_lora_adapter`, as vLLM's runtime LoRA) are kept
+//! beside the base weights, each a model of its own (base + adapter: simple and exact,
+//! at the memory of one model per adapter); a request whose `model` names one is served
+//! by it, any other by the base weights.
 
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -129,6 +134,23 @@ pub enum Job {
         /// Where the events go; generation stops when it is closed.
         events: mpsc::UnboundedSender<Event>,
     },
+    /// Load a LoRA adapter directory and serve it to requests for `name` (vLLM's
+    /// runtime LoRA loading); the base weights keep serving every other name.
+    LoadAdapter {
+        /// The name requests select it by.
+        name: String,
+        /// The adapter directory.
+        dir: PathBuf,
+        /// Result: why loading failed, if it did.
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Stop serving the adapter `name`.
+    UnloadAdapter {
+        /// Its name.
+        name: String,
+        /// Result: an error when no adapter has that name.
+        reply: oneshot::Sender<Result<(), String>>,
+    },
     /// Load another checkpoint; the old one keeps serving when this fails.
     Reload {
         /// The directory.
@@ -145,6 +167,8 @@ pub struct EngineHandle {
     pub jobs: mpsc::Sender<Job>,
     /// What is loaded.
     pub loaded: Arc<RwLock<Loaded>>,
+    /// Adapters loaded by name (for `/v1/models`).
+    pub adapters: Arc<RwLock<std::collections::BTreeMap<String, Loaded>>>,
 }
 
 impl EngineHandle {
@@ -218,16 +242,19 @@ pub fn start(
                 }
             };
             let loaded = Arc::new(RwLock::new(policy.info.clone()));
-            let _ = ready_tx.send(Ok(loaded.clone()));
+            let adapters: Arc<RwLock<std::collections::BTreeMap<String, Loaded>>> = Arc::default();
+            let _ = ready_tx.send(Ok((loaded.clone(), adapters.clone())));
             let mut engine = Engine {
                 policy,
+                adapters: Default::default(),
+                adapter_list: adapters,
                 settings,
                 loaded,
                 served: 0,
             };
             engine.run(jobs_rx);
         })?;
-    let loaded = ready_rx
+    let (loaded, adapters) = ready_rx
         .recv()
         .map_err(|_| anyhow::anyhow!("the inference thread died while loading the model"))?
         .map_err(|message| anyhow::anyhow!("cannot load the model: {message}"))?;
@@ -235,6 +262,7 @@ pub fn start(
         EngineHandle {
             jobs: jobs_tx,
             loaded,
+            adapters,
         },
         thread,
     ))
@@ -242,6 +270,10 @@ pub fn start(
 
 struct Engine {
     policy: Policy,
+    /// Adapters by the name requests select them with.
+    adapters: std::collections::BTreeMap<String, Policy>,
+    /// What `/v1/models` lists of them.
+    adapter_list: Arc<RwLock<std::collections::BTreeMap<String, Loaded>>>,
     settings: Settings,
     loaded: Arc<RwLock<Loaded>>,
     /// Generation requests served, for seeds.
@@ -290,9 +322,65 @@ impl Engine {
                     let result = self.reload(&dir);
                     let _ = reply.send(result);
                 }
+                Job::LoadAdapter { name, dir, reply } => {
+                    let result = self.load_adapter(name, &dir);
+                    let _ = reply.send(result);
+                }
+                Job::UnloadAdapter { name, reply } => {
+                    let result = match self.adapters.remove(&name) {
+                        Some(_) => {
+                            self.publish_adapters();
+                            tracing::info!(%name, "adapter unloaded");
+                            Ok(())
+                        }
+                        None => Err(format!("no adapter named {name:?} is loaded")),
+                    };
+                    let _ = reply.send(result);
+                }
             }
         }
         tracing::debug!("inference thread stopped");
+    }
+
+    fn load_adapter(&mut self, name: String, dir: &Path) -> Result<(), String> {
+        if self.adapters.contains_key(&name) {
+            // vLLM's answer without `load_inplace`: a name is loaded once.
+            return Err(format!(
+                "an adapter named {name:?} is already loaded; unload it first or use a new name"
+            ));
+        }
+        if !lora::is_adapter_dir(dir) {
+            return Err(format!(
+                "{} is not a LoRA adapter directory (no adapter_config.json)",
+                dir.display()
+            ));
+        }
+        let loaded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            Policy::load(dir, name.clone(), &self.settings)
+        }))
+        .unwrap_or_else(|panic| Err(panic_message(panic.as_ref())))?;
+        tracing::info!(%name, dir = %dir.display(), "adapter loaded");
+        self.adapters.insert(name, loaded);
+        self.publish_adapters();
+        Ok(())
+    }
+
+    fn publish_adapters(&self) {
+        *self
+            .adapter_list
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = self
+            .adapters
+            .iter()
+            .map(|(name, policy)| (name.clone(), policy.info.clone()))
+            .collect();
+    }
+
+    /// The weights that serve a request for `model`.
+    fn policy_for(&self, model: Option<&str>) -> &Policy {
+        model
+            .and_then(|m| self.adapters.get(m))
+            .unwrap_or(&self.policy)
     }
 
     fn reload(&mut self, dir: &Path) -> Result<Loaded, String> {
@@ -320,15 +408,10 @@ impl Engine {
     }
 
     /// Last row of `hidden` (`[1, t, d]`) → logits on the host.
-    fn next_logits(&self, hidden: &Tensor) -> Result<Vec<f32>, ApiError> {
+    fn next_logits(net: &Transformer, hidden: &Tensor) -> Result<Vec<f32>, ApiError> {
         let t = hidden.size()[1];
         let last = hidden.select(1, t - 1);
-        let logits = self
-            .policy
-            .net
-            .logits(&last)
-            .view([-1])
-            .to_device(Device::Cpu);
+        let logits = net.logits(&last).view([-1]).to_device(Device::Cpu);
         Vec::<f32>::try_from(logits).map_err(|e| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -344,7 +427,7 @@ impl Engine {
         events: &mpsc::UnboundedSender<Event>,
     ) -> Result<(), ApiError> {
         let started = Instant::now();
-        let Policy { model, net, info } = &self.policy;
+        let Policy { model, net, info } = self.policy_for(params.model.as_deref());
         let prompt_ids = tokenize::prompt_ids(model, &params.request, &Map::new())
             .map_err(|e| tokenize_error(&e))?;
         if prompt_ids.is_empty() {
@@ -401,7 +484,7 @@ impl Engine {
         let mut prefill_secs = 0.0;
         loop {
             let hidden = net.forward_cached(&input, &mut cache);
-            let logits = self.next_logits(&hidden)?;
+            let logits = Self::next_logits(net, &hidden)?;
             if generated == 0 {
                 prefill_secs = prefill_started.elapsed().as_secs_f64();
             }

@@ -116,12 +116,20 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         ("/v1/models", &Method::GET) => models(&app),
         ("/health", &Method::GET) => health(&app),
         ("/v1/reload", &Method::POST) => reload(&app, req).await,
-        ("/v1/chat/completions" | "/v1/models" | "/health" | "/v1/reload", _) => {
-            error_response(&ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                format!("{method} is not allowed on {path}"),
-            ))
-        }
+        ("/v1/load_lora_adapter", &Method::POST) => load_adapter(&app, req).await,
+        ("/v1/unload_lora_adapter", &Method::POST) => unload_adapter(&app, req).await,
+        (
+            "/v1/chat/completions"
+            | "/v1/models"
+            | "/health"
+            | "/v1/reload"
+            | "/v1/load_lora_adapter"
+            | "/v1/unload_lora_adapter",
+            _,
+        ) => error_response(&ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{method} is not allowed on {path}"),
+        )),
         _ => error_response(&ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
@@ -158,10 +166,18 @@ async fn chat(app: &App, req: Request<Incoming>) -> Response<Body> {
         Ok(params) => params,
         Err(error) => return with_version(error_response(&error), &current()),
     };
+    // An adapter is answered under its own name, as vLLM does.
+    let adapter = params.model.clone().filter(|m| {
+        app.engine
+            .adapters
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains_key(m)
+    });
     let meta = Meta {
         id: app.next_id(),
         created: now_secs(),
-        model: app.served_model_name.clone(),
+        model: adapter.unwrap_or_else(|| app.served_model_name.clone()),
         logprobs: params.logprobs,
         token_ids: params.return_token_ids,
     };
@@ -231,21 +247,130 @@ async fn chat(app: &App, req: Request<Incoming>) -> Response<Body> {
 
 fn models(app: &App) -> Response<Body> {
     let loaded = app.engine.loaded();
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "object": "list",
-            "data": [{
-                "id": app.served_model_name,
-                "object": "model",
-                "created": app.started,
-                "owned_by": "tapline",
-                "root": loaded.dir.display().to_string(),
-                "parent": null,
-                "max_model_len": loaded.max_model_len,
-            }],
-        }),
-    )
+    let mut data = vec![json!({
+        "id": app.served_model_name,
+        "object": "model",
+        "created": app.started,
+        "owned_by": "tapline",
+        "root": loaded.dir.display().to_string(),
+        "parent": null,
+        "max_model_len": loaded.max_model_len,
+    })];
+    let adapters = app
+        .engine
+        .adapters
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    for (name, adapter) in adapters {
+        data.push(json!({
+            "id": name,
+            "object": "model",
+            "created": app.started,
+            "owned_by": "tapline",
+            "root": adapter.dir.display().to_string(),
+            "parent": app.served_model_name,
+            "max_model_len": adapter.max_model_len,
+        }));
+    }
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// A string field of a JSON body, or the error naming it.
+fn string_field<'a>(body: &'a Value, name: &'static str) -> Result<&'a str, ApiError> {
+    body.get(name)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| {
+            ApiError::field(
+                name,
+                format!("`{name}` is required and must be a non-empty string"),
+            )
+        })
+}
+
+fn text_response(text: String) -> Response<Body> {
+    let mut resp = Response::new(full(text));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
+/// `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`, as vLLM answers it.
+async fn load_adapter(app: &App, req: Request<Incoming>) -> Response<Body> {
+    let body = match read_json(req).await {
+        Ok(body) => body,
+        Err(error) => return error_response(&error),
+    };
+    let (name, path) = match (
+        string_field(&body, "lora_name"),
+        string_field(&body, "lora_path"),
+    ) {
+        (Ok(n), Ok(p)) => (n.to_owned(), p.to_owned()),
+        (Err(e), _) | (_, Err(e)) => return error_response(&e),
+    };
+    let (reply, answer) = oneshot::channel();
+    let job = Job::LoadAdapter {
+        name: name.clone(),
+        dir: PathBuf::from(&path),
+        reply,
+    };
+    if app.engine.jobs.send(job).await.is_err() {
+        return error_response(&ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the inference thread has stopped",
+        ));
+    }
+    match answer.await {
+        Ok(Ok(())) => text_response(format!(
+            "Success: LoRA adapter '{name}' added successfully."
+        )),
+        Ok(Err(message)) => error_response(&ApiError::field("lora_path", message)),
+        Err(_) => error_response(&ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the inference thread stopped while loading",
+        )),
+    }
+}
+
+/// `POST /v1/unload_lora_adapter {"lora_name"}`.
+async fn unload_adapter(app: &App, req: Request<Incoming>) -> Response<Body> {
+    let body = match read_json(req).await {
+        Ok(body) => body,
+        Err(error) => return error_response(&error),
+    };
+    let name = match string_field(&body, "lora_name") {
+        Ok(n) => n.to_owned(),
+        Err(e) => return error_response(&e),
+    };
+    let (reply, answer) = oneshot::channel();
+    if app
+        .engine
+        .jobs
+        .send(Job::UnloadAdapter {
+            name: name.clone(),
+            reply,
+        })
+        .await
+        .is_err()
+    {
+        return error_response(&ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the inference thread has stopped",
+        ));
+    }
+    match answer.await {
+        Ok(Ok(())) => text_response(format!(
+            "Success: LoRA adapter '{name}' removed successfully."
+        )),
+        Ok(Err(message)) => error_response(&ApiError::new(StatusCode::NOT_FOUND, message)),
+        Err(_) => error_response(&ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the inference thread stopped while unloading",
+        )),
+    }
 }
 
 fn health(app: &App) -> Response<Body> {

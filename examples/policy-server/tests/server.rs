@@ -614,19 +614,17 @@ async fn reload_and_watch_swap_the_weights() {
     );
 }
 
-/// A LoRA adapter directory (as a `[train.lora]` run writes it) loads on the base model
-/// its config names, and generates with the adapter's log-probs.
-#[tokio::test]
-async fn an_adapter_directory_is_served_on_its_base_model() {
-    let tmp = tempfile::tempdir().unwrap();
-    let adapter = tmp.path().join("adapter-000001");
+/// A LoRA adapter directory with random `B` (so it changes the model), written as a
+/// `[train.lora]` run writes it; returns the model with the adapter.
+fn random_adapter(adapter: &Path, seed: i64) -> Transformer {
     let mut net = Transformer::load(&smollm2(), tch::Device::Cpu, tch::Kind::Float).unwrap();
     let settings = LoraOptions {
         rank: 4,
         alpha: 8.0,
         ..LoraOptions::default()
     };
-    lora::attach_new(&mut net, &settings, 3);
+    lora::attach_new(&mut net, &settings, seed as u64);
+    tch::manual_seed(seed);
     tch::no_grad(|| {
         for (name, mut t) in net.named_adapters() {
             if name.contains("lora_B") {
@@ -635,8 +633,124 @@ async fn an_adapter_directory_is_served_on_its_base_model() {
         }
     });
     let base = smollm2().canonicalize().unwrap();
-    lora::save(&net, &settings, base.to_str().unwrap(), &adapter).unwrap();
-    checkpoint::copy_model_files(&base, &adapter).unwrap();
+    lora::save(&net, &settings, base.to_str().unwrap(), adapter).unwrap();
+    checkpoint::copy_model_files(&base, adapter).unwrap();
+    net
+}
+
+/// vLLM's runtime LoRA API, driven by the trainer's `publish` as it drives vLLM:
+/// adapters load under versioned names, requests pick them by `model`, other names get
+/// the base weights, and old versions unload.
+#[tokio::test]
+async fn adapters_load_by_name_and_requests_choose_them_by_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
+    let with_one = random_adapter(&one, 3);
+    random_adapter(&two, 4);
+    let server = Server::start(&[]);
+    let store = tapline_proto::store::open_store("memory://policy-server-adapters").unwrap();
+    let publish = |from: &Path| tapline_trainer::publish::PublishOptions {
+        policy: "coder".into(),
+        from: from.to_owned(),
+        servers: vec![server.base.clone()],
+        server_kind: tapline_trainer::publish::ServerKind::Vllm,
+        path_on_server: None,
+        keep_loaded: 1,
+        timeout: Duration::from_secs(120),
+    };
+    let published = tapline_trainer::publish::publish(&store, &publish(&one))
+        .await
+        .unwrap();
+    assert_eq!(published.announcement.served_model, "coder@v1");
+    let models = server.get("/v1/models").await;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["smol", "coder@v1"]);
+    assert_eq!(models["data"][1]["parent"], "smol");
+
+    let request = |model: &str| {
+        json!({
+            "model": model, "messages": question(), "temperature": 0, "max_tokens": 5,
+            "logprobs": true, "return_token_ids": true,
+        })
+    };
+    let (version, v) = server.complete(&request("coder@v1")).await;
+    assert_eq!(
+        (version.as_str(), v["model"].as_str()),
+        ("coder@v1", Some("coder@v1"))
+    );
+    let mut sequence = ids_of(&v);
+    let prompt_len = v["prompt_token_ids"].as_array().unwrap().len();
+    let expected = with_one.sequence_logprobs(&sequence, 64).unwrap();
+    for (ours, theirs) in logprobs(&v["choices"][0])
+        .iter()
+        .zip(&expected[prompt_len - 1..])
+    {
+        assert!(
+            (ours - f64::from(*theirs)).abs() < 1e-4,
+            "{ours} vs {theirs}"
+        );
+    }
+    // Another name: the base weights.
+    let (_, b) = server.complete(&request("smol")).await;
+    assert_eq!(b["model"], "smol");
+    sequence = ids_of(&b);
+    let plain = Transformer::load(&smollm2(), tch::Device::Cpu, tch::Kind::Float)
+        .unwrap()
+        .sequence_logprobs(&sequence, 64)
+        .unwrap();
+    let prompt_len = b["prompt_token_ids"].as_array().unwrap().len();
+    for (ours, theirs) in logprobs(&b["choices"][0])
+        .iter()
+        .zip(&plain[prompt_len - 1..])
+    {
+        assert!(
+            (ours - f64::from(*theirs)).abs() < 1e-4,
+            "{ours} vs {theirs}"
+        );
+    }
+
+    // The next version loads; keep_loaded 1 unloads the first.
+    tapline_trainer::publish::publish(&store, &publish(&two))
+        .await
+        .unwrap();
+    let models = server.get("/v1/models").await;
+    assert_eq!(models["data"].as_array().unwrap().len(), 2);
+    assert_eq!(models["data"][1]["id"], "coder@v2");
+    // A name loaded twice, and an unknown name unloaded, are refused as vLLM refuses them.
+    let (status, _, _) = server
+        .post_raw(
+            "/v1/load_lora_adapter",
+            json!({"lora_name": "coder@v2", "lora_path": two}).to_string(),
+        )
+        .await;
+    assert_eq!(status, 400);
+    let (status, _, _) = server
+        .post_raw(
+            "/v1/unload_lora_adapter",
+            json!({"lora_name": "coder@v1"}).to_string(),
+        )
+        .await;
+    assert_eq!(status, 404);
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    let mut sequence = ids(&v["prompt_token_ids"]);
+    sequence.extend(ids(&v["choices"][0]["token_ids"]));
+    sequence
+}
+
+/// A LoRA adapter directory (as a `[train.lora]` run writes it) loads on the base model
+/// its config names, and generates with the adapter's log-probs.
+#[tokio::test]
+async fn an_adapter_directory_is_served_on_its_base_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let adapter = tmp.path().join("adapter-000001");
+    let net = random_adapter(&adapter, 3);
 
     let server = Server::start(&[]);
     let (status, _, body) = server.post("/v1/reload", &json!({"path": adapter})).await;
