@@ -2,17 +2,22 @@
 //!
 //! ```text
 //!   examples/loop_harness.py ──openai client──▶ tapline-sidecar ──▶ tapline-policy-server
-//!        │ tapline SDK (episodes, rewards)          │ records          (SmolLM2-135M-Instruct)
-//!        ▼                                          ▼                        ▲ POST /v1/reload
-//!   control API ──────────────────────────▶ .cache/demo/store ──▶ tapline-trainer train
+//!        │ tapline SDK (episodes,   model "policy"  │ --policy demo:     (SmolLM2-135M-Instruct
+//!        │ rewards)                    → demo@vN    │ records, follows    + adapters demo@vN)
+//!        ▼                                          ▼ policies/demo.json      ▲ /v1/load_lora_adapter
+//!   control API ──────────────────────────▶ .cache/demo/store ──▶ tapline-trainer train ([publish])
 //!                                                                      └▶ checkpoints/iter-N
 //! ```
 //!
 //! Each iteration runs the harness's episodes (groups per task), waits until the sidecar
-//! has uploaded every record, trains on the new records (the trainer's cursor knows what
-//! is new), and has the policy server load the new checkpoint. The last iteration only
-//! measures. It prints a line per iteration and writes `.cache/demo/reward.png`; the
-//! last line is `demo: mean reward first=<x> last=<y>`.
+//! has uploaded every record, trains a LoRA adapter on the new records (the trainer's
+//! cursor knows what is new) and publishes it: the policy server loads it as `demo@vN`,
+//! the version is announced in the store, and the sidecar sends the harness's calls for
+//! model `policy` to it from then on, recording the version on each call. `--full` trains
+//! every weight instead and has the policy server reload the checkpoint (no versions).
+//! The last iteration only measures. It prints a line per iteration (with the version
+//! that served its calls) and writes `.cache/demo/reward.png`; the last line is `demo:
+//! mean reward first=<x> last=<y>`.
 //!
 //! `--smoke` is the short version `cargo xtask test` runs: two tiny iterations, then
 //! checks that records reached the store, the trainer made batches and a checkpoint that
@@ -56,7 +61,7 @@ impl Options {
             lr: 3e-5,
             seed: 0,
             smoke: false,
-            lora: false,
+            lora: true,
         };
         let mut lr_given = false;
         let mut it = args.iter().filter(|a| *a != "--");
@@ -76,6 +81,7 @@ impl Options {
                     lr_given = true;
                 }
                 "--lora" => o.lora = true,
+                "--full" => o.lora = false,
                 "--seed" => o.seed = value(flag)?.parse()?,
                 "--smoke" => {
                     o.smoke = true;
@@ -85,7 +91,7 @@ impl Options {
                     o.max_tokens = 8;
                 }
                 other => bail!(
-                    "unknown demo flag {other:?} (flags: --iterations N --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)"
+                    "unknown demo flag {other:?} (flags: --iterations N --tasks N --group-size N --max-tokens N --lr X --seed N --full --smoke)"
                 ),
             }
         }
@@ -237,13 +243,13 @@ fn sha256_file(path: &Path) -> anyhow::Result<String> {
         .to_owned())
 }
 
-/// Greedy log-probs of a fixed prompt: a fingerprint of the weights being served.
-fn fingerprint(policy: &str) -> anyhow::Result<(String, Vec<f64>)> {
+/// Greedy log-probs of a fixed prompt: a fingerprint of the weights serving `model`.
+fn fingerprint(policy: &str, model: &str) -> anyhow::Result<(String, Vec<f64>)> {
     let (status, head, v) = http(
         "POST",
         &format!("{policy}/v1/chat/completions"),
         Some(&json!({
-            "model": "policy", "max_tokens": 4, "temperature": 0, "logprobs": true,
+            "model": model, "max_tokens": 4, "temperature": 0, "logprobs": true,
             "messages": [{"role": "user", "content": "What is 2 + 2?"}],
         })),
     )?;
@@ -318,7 +324,9 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     std::fs::write(
         &config,
         format!(
-            "run = \"demo\"\n[clean]\nmax_seq_len = 1024\n[schedule]\nmicro_batch_tokens = 2048\nmini_batch_episodes = 4\n[train]\nlr = {}\nweight_decay = 0.0\nseed = {}\n{}",
+            "run = \"demo\"\n[clean]\nmax_seq_len = 1024\n{}[schedule]\nmicro_batch_tokens = 2048\nmini_batch_episodes = 4\n[train]\nlr = {}\nweight_decay = 0.0\nseed = {}\n{}",
+            // The versions the sidecar records belong to this policy (lag in the report).
+            if o.lora { "policy = \"demo\"\n" } else { "" },
             o.lr,
             o.seed,
             if o.lora {
@@ -328,10 +336,18 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             }
         ),
     )?;
-
     let mut children = Children::default();
     let policy_port = free_port()?;
     let policy = format!("http://127.0.0.1:{policy_port}");
+    if o.lora {
+        // Each LoRA run publishes its adapter to the policy server as the next version.
+        let mut text = std::fs::read_to_string(&config)?;
+        text.push_str(&format!(
+            "[publish]\npolicy = \"demo\"\nservers = [\"{policy}\"]\nkeep_loaded = 2\n"
+        ));
+        std::fs::write(&config, text)?;
+    }
+
     spawn(
         "policy-server",
         Command::new(bin("tapline-policy-server"))
@@ -357,7 +373,20 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             .args(["--store", &store])
             .arg("--spool-dir")
             .arg(dir.join("spool"))
-            .args(["--sidecar-id", "demo", "--segment-max-age-secs", "1"]),
+            .args(["--sidecar-id", "demo", "--segment-max-age-secs", "1"])
+            .args(if o.lora {
+                // The harness keeps asking for "policy"; the sidecar follows the versions.
+                &[
+                    "--policy",
+                    "demo",
+                    "--policy-alias",
+                    "policy",
+                    "--policy-poll-secs",
+                    "0.5",
+                ][..]
+            } else {
+                &[][..]
+            }),
         &logs,
         &mut children,
     )?;
@@ -391,12 +420,23 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     );
 
     let start_sha = sha256_file(&model.join("model.safetensors"))?;
-    let (_, start_fingerprint) = fingerprint(&policy)?;
+    let (_, start_fingerprint) = fingerprint(&policy, "policy")?;
     let mut current = model.clone();
     let mut rewards: Vec<f64> = Vec::new();
     for k in 0..o.iterations {
         ensure!(!interrupted(), "interrupted");
         let iteration_started = Instant::now();
+        let served_by = if o.lora {
+            let (_, _, h) = http("GET", &format!("{sidecar}/tapline/v1/health"), None)?;
+            h["policy"]["served_model"]
+                .as_str()
+                .unwrap_or("the base model")
+                .to_owned()
+        } else {
+            current
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+        };
         let out = Command::new(&python)
             .arg(root.join("examples/loop_harness.py"))
             .args(["--sidecar", &sidecar, "--iteration", &k.to_string()])
@@ -430,7 +470,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         let reward = summary["mean_reward"].as_f64().unwrap_or(f64::NAN);
         rewards.push(reward);
         let mut line = format!(
-            "iteration {k}: mean reward {reward:.3}, episodes {}, completion tokens {}, harness {:.0}s",
+            "iteration {k}: mean reward {reward:.3}, served by {served_by}, episodes {}, completion tokens {}, harness {:.0}s",
             summary["episodes"],
             summary["completion_tokens"],
             summary["seconds"].as_f64().unwrap_or(0.0)
@@ -481,12 +521,29 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             let manifest: Value =
                 serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json"))?)?;
             let steps = manifest["steps"].as_array().map_or(0, Vec::len);
-            let (status, _, v) = http(
-                "POST",
-                &format!("{policy}/v1/reload"),
-                Some(&json!({"path": ckpt})),
-            )?;
-            ensure!(status == 200, "policy server refused the checkpoint: {v}");
+            if o.lora {
+                // The trainer published it; wait until the sidecar follows the new version.
+                let version = k as u64 + 1;
+                let wait = Instant::now();
+                loop {
+                    let (_, _, h) = http("GET", &format!("{sidecar}/tapline/v1/health"), None)?;
+                    if h["policy"]["version"].as_u64() == Some(version) {
+                        break;
+                    }
+                    ensure!(
+                        wait.elapsed() < Duration::from_secs(30),
+                        "the sidecar does not follow version {version} after 30 s: {h}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            } else {
+                let (status, _, v) = http(
+                    "POST",
+                    &format!("{policy}/v1/reload"),
+                    Some(&json!({"path": ckpt})),
+                )?;
+                ensure!(status == 200, "policy server refused the checkpoint: {v}");
+            }
             current = ckpt;
             line.push_str(&format!(
                 ", trained {} steps on {} tokens in {:.0}s",
@@ -557,15 +614,41 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             sha != start_sha,
             "the checkpoint equals the starting weights"
         );
-        let (version, served) = fingerprint(&policy)?;
+        let expected = if o.lora { "demo@v1" } else { "iter-000" };
+        let (version, served) = fingerprint(&policy, expected)?;
         ensure!(
-            version == "iter-000",
-            "the policy server serves version {version:?}, not iter-000"
+            version == expected,
+            "the policy server serves version {version:?}, not {expected}"
         );
         ensure!(
             served != start_fingerprint,
             "the policy server's log-probs did not change after the reload"
         );
+        if o.lora {
+            // The second iteration's calls went to version 1 and were recorded with it.
+            let look = dir.join("versions");
+            let out = Command::new(bin("tapline-trainer"))
+                .args(["prepare", "--no-cursor", "--store", &store, "--model"])
+                .arg(&model)
+                .arg("--out")
+                .arg(&look)
+                .arg("--config")
+                .arg(&config)
+                .output()?;
+            ensure!(
+                out.status.success(),
+                "prepare failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let report: Value = serde_json::from_slice(&std::fs::read(look.join("report.json"))?)?;
+            let lags = &report["policy"]["calls_by_lag"];
+            ensure!(
+                lags["0"].as_u64().is_some_and(|n| n > 0)
+                    && lags["unversioned"].as_u64().is_some_and(|n| n > 0),
+                "expected calls of the base model (iteration 0) and of version 1 (iteration 1): {}",
+                report["policy"]
+            );
+        }
         println!(
             "demo smoke: {segments} segments, {} steps, checkpoint {}, policy server serves {version}",
             first["steps"].as_array().map_or(0, Vec::len),
