@@ -15,6 +15,8 @@
 //! grace_period_secs = 3600     # unended episodes older than this are dropped
 //! max_seq_len = 32768          # longer sequences are dropped (`over_length`)
 //! drop_zero_variance_groups = true
+//! # policy = "coder"           # the policy whose versions calls record (sidecar --policy)
+//! # max_policy_lag = 4         # drop episodes served > 4 versions before the announced one
 //!
 //! [tokenize]
 //! use_recorded_ids = true
@@ -72,6 +74,13 @@
 //! # dropout = 0.0              # only 0 is supported
 //! # target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 //! # use_rslora = false         # scale by alpha / sqrt(rank) instead
+//!
+//! # [publish]                  # present (LoRA only): `train` publishes its adapter
+//! # policy = "coder"           # announced as coder@vN in policies/coder.json
+//! # servers = ["http://vllm:8000"]
+//! # server_kind = "vllm"       # or "sglang"
+//! # path_on_server = "/adapters/{out_name}"   # default: --out, absolute
+//! # keep_loaded = 2
 //! ```
 
 use std::path::Path;
@@ -282,5 +291,34 @@ mod tests {
         assert_eq!(cfg.schedule.loss_agg_mode, LossAggMode::EpisodeMean);
         let err = cfg.validate().unwrap_err();
         assert!(err.to_string().contains("micro_batch_tokens"), "{err}");
+    }
+
+    #[test]
+    fn policy_settings_are_checked() {
+        let check = |text: &str| {
+            toml::from_str::<RunConfig>(text)
+                .map_err(|e| e.to_string())
+                .and_then(|c| c.validate().map_err(|e| e.to_string()))
+        };
+        let publish = "[publish]\npolicy = \"coder\"\nservers = [\"http://v:8000\"]\n";
+        let lora = "[train.lora]\nrank = 8\nalpha = 16\n";
+        assert!(check(&format!("{publish}{lora}")).is_ok());
+        let err = check(publish).unwrap_err();
+        assert!(err.contains("[train.lora]"), "{err}");
+        let err = check(&format!(
+            "{lora}[publish]\npolicy = \"a/b\"\nservers = [\"x\"]\n"
+        ))
+        .unwrap_err();
+        assert!(err.contains("publish.policy"), "{err}");
+        let err = check(&format!("{lora}[publish]\npolicy = \"c\"\nservers = []\n")).unwrap_err();
+        assert!(err.contains("publish.servers"), "{err}");
+        let err = check("[clean]\nmax_policy_lag = 2\n").unwrap_err();
+        assert!(err.contains("clean.policy"), "{err}");
+        let cfg: RunConfig = toml::from_str(&format!(
+            "[clean]\npolicy = \"coder\"\nmax_policy_lag = 2\n{publish}{lora}"
+        ))
+        .unwrap();
+        assert_eq!(cfg.publish.as_ref().unwrap().keep_loaded, 2);
+        assert_eq!(cfg.clean.max_policy_lag, Some(2));
     }
 }
