@@ -1,9 +1,11 @@
 //! Policy announcements: which version of a policy the inference servers serve now.
 //!
-//! A publisher (`tapline-trainer publish`) loads a new adapter on every inference server
-//! under the served name `NAME@vN`, then writes `{prefix}/policies/NAME.json` with a
-//! conditional put (create for the first version, update on the ETag it read for the
-//! next), so two publishers cannot both announce version N. Sidecars started with
+//! A publisher (`tapline-trainer publish`) claims version N with a create-only put of
+//! `{prefix}/policies/NAME/v{N:020}.json` (so two publishers cannot both announce N),
+//! loads the adapter on every inference server under the served name `NAME@vN`, then
+//! overwrites `{prefix}/policies/NAME.json` with the announcement (a late overwrite by a
+//! slower publisher of an older version is possible; running sidecars ignore it, since
+//! versions only go up). Sidecars started with
 //! `--policy NAME` poll that object and send calls for the policy to the announced
 //! served name, recording `policy_version = N` on each.
 //!
