@@ -37,6 +37,9 @@ pub struct PolicyFollower {
     last_error: Mutex<Option<String>>,
     /// Calls sent to the current version instead of the alias.
     pub rewrites: AtomicU64,
+    /// Requests refused because their body was over the capture cap, so their model
+    /// could not be read (413 while a version is followed).
+    pub refused_too_large: AtomicU64,
 }
 
 impl PolicyFollower {
@@ -51,6 +54,7 @@ impl PolicyFollower {
             etag: Mutex::new(None),
             last_error: Mutex::new(None),
             rewrites: AtomicU64::new(0),
+            refused_too_large: AtomicU64::new(0),
         }
     }
 
@@ -161,8 +165,12 @@ impl PolicyFollower {
              tapline_policy_version{{policy=\"{name}\"}} {version}\n\
              # HELP tapline_policy_rewrites_total Calls sent to the followed policy version instead of the alias.\n\
              # TYPE tapline_policy_rewrites_total counter\n\
-             tapline_policy_rewrites_total{{policy=\"{name}\"}} {}\n",
-            self.rewrites.load(Ordering::Relaxed)
+             tapline_policy_rewrites_total{{policy=\"{name}\"}} {}\n\
+             # HELP tapline_policy_refused_too_large_total Requests refused (413) because their body was over the capture cap, so their model could not be read.\n\
+             # TYPE tapline_policy_refused_too_large_total counter\n\
+             tapline_policy_refused_too_large_total{{policy=\"{name}\"}} {}\n",
+            self.rewrites.load(Ordering::Relaxed),
+            self.refused_too_large.load(Ordering::Relaxed)
         )
     }
 
@@ -175,6 +183,7 @@ impl PolicyFollower {
             "version": current.as_ref().map(|c| c.version),
             "served_model": current.map(|c| c.served_model),
             "rewrites": self.rewrites.load(Ordering::Relaxed),
+            "refused_too_large": self.refused_too_large.load(Ordering::Relaxed),
             "error": self.last_error(),
         })
     }

@@ -266,3 +266,59 @@ async fn calls_follow_the_announced_version_and_the_harness_keeps_its_model_name
     }
     assert!(calls.iter().any(|c| c.policy_version == "2"));
 }
+
+/// A request whose body is over the capture cap cannot have its model read, so while a
+/// version is followed it is refused (413) instead of reaching the base model unnamed.
+#[tokio::test]
+async fn a_body_over_the_capture_cap_is_refused_while_a_version_is_followed() {
+    let upstream = Upstream::start(echo).await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.policy = Some("coder".into());
+        raw.policy_alias = Some("policy".into());
+        raw.policy_poll_secs = Some(0.1);
+        raw.capture_cap_bytes = Some(256);
+    })
+    .await;
+    let addr = sidecar.local_addr();
+    let client = client();
+    let big = json!({"model": "policy", "prompt": "x".repeat(1000)}).to_string();
+
+    // Nothing announced: it passes whole, to the base model as today.
+    let (status, _, _) = send(&client, post(addr, "/v1/completions", big.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(upstream.last().body, big.as_bytes());
+    let forwarded = upstream.count();
+
+    announce(&store, 1).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while health(&client, addr).await["policy"]["version"] != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the announcement was not followed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, _, body) = send(&client, post(addr, "/v1/completions", big)).await;
+    assert_eq!(status, 413);
+    let body = String::from_utf8_lossy(&body);
+    assert!(
+        body.contains("--capture-cap-bytes") && body.contains("coder@v1"),
+        "{body}"
+    );
+    assert_eq!(upstream.count(), forwarded, "nothing went upstream");
+    // A small one still goes to the version.
+    let small = r#"{"model":"policy","prompt":"x"}"#;
+    let (status, _, _) = send(&client, post(addr, "/v1/completions", small)).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        upstream.last().body.as_ref(),
+        br#"{"model":"coder@v1","prompt":"x"}"#
+    );
+    assert_eq!(
+        health(&client, addr).await["policy"]["refused_too_large"],
+        1
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(5))
+        .await;
+}

@@ -155,6 +155,24 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     } else {
         String::new()
     };
+    if remainder.is_some()
+        && let Some(policy) = &state.policy
+        && let Some(current) = policy.current()
+    {
+        // Its model cannot be read, so it could not be sent to a version this sidecar can
+        // name: refuse it rather than let the base model answer a call for the policy.
+        policy.refused_too_large.fetch_add(1, Ordering::Relaxed);
+        return api_error(
+            api,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            &format!(
+                "tapline: the request body is larger than the capture cap ({cap} bytes), so this sidecar cannot read its model and route it to policy {} (now {}); raise --capture-cap-bytes (TAPLINE_CAPTURE_CAP_BYTES)",
+                policy.config().name,
+                current.served_model
+            ),
+        );
+    }
 
     // --policy: a call for the alias goes to the version followed now, under its served
     // name; the harness gets its own model name back in the response.

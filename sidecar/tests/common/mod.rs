@@ -130,6 +130,12 @@ impl Upstream {
             .cloned()
             .expect("upstream received a request")
     }
+
+    /// How many requests reached the upstream.
+    #[allow(dead_code)]
+    pub fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
 }
 
 type UpstreamBody =
