@@ -101,7 +101,8 @@ pub fn tokenize_error(error: &TokenizeError) -> ApiError {
 #[derive(Debug, Clone)]
 pub struct ChatParams {
     /// The requested model: an adapter loaded by `/v1/load_lora_adapter` under this
-    /// name serves the request; any other name, the base weights.
+    /// name serves the request; the served model name (or none), the base weights; any
+    /// other name is answered 404 (the HTTP side checks it).
     pub model: Option<String>,
     /// Messages, tools, template kwargs and generation-prompt flags, read by the trainer's
     /// own code so that the prompt ids equal the trainer's.

@@ -12,7 +12,8 @@
 //! Adapters loaded by name (`/v1/load_lora_adapter`, as vLLM's runtime LoRA) are kept
 //! beside the base weights, each a model of its own (base + adapter: simple and exact,
 //! at the memory of one model per adapter); a request whose `model` names one is served
-//! by it, any other by the base weights.
+//! by it, one naming the served model (or none) by the base weights, and any other name
+//! is a 404 as in vLLM.
 
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -135,7 +136,7 @@ pub enum Job {
         events: mpsc::UnboundedSender<Event>,
     },
     /// Load a LoRA adapter directory and serve it to requests for `name` (vLLM's
-    /// runtime LoRA loading); the base weights keep serving every other name.
+    /// runtime LoRA loading); the base weights keep serving the served model name.
     LoadAdapter {
         /// The name requests select it by.
         name: String,
@@ -376,11 +377,15 @@ impl Engine {
             .collect();
     }
 
-    /// The weights that serve a request for `model`.
-    fn policy_for(&self, model: Option<&str>) -> &Policy {
-        model
-            .and_then(|m| self.adapters.get(m))
-            .unwrap_or(&self.policy)
+    /// The weights that serve a request for `model`: the base weights for `None` (the
+    /// HTTP side maps the served name to `None`), else the adapter loaded under that
+    /// name. One unloaded since the HTTP side looked is a 404, as an unknown name is:
+    /// a call never runs on weights other than the ones it named.
+    fn policy_for(&self, model: Option<&str>) -> Result<&Policy, ApiError> {
+        match model {
+            None => Ok(&self.policy),
+            Some(m) => self.adapters.get(m).ok_or_else(|| model_not_found(m)),
+        }
     }
 
     fn reload(&mut self, dir: &Path) -> Result<Loaded, String> {
@@ -427,7 +432,7 @@ impl Engine {
         events: &mpsc::UnboundedSender<Event>,
     ) -> Result<(), ApiError> {
         let started = Instant::now();
-        let Policy { model, net, info } = self.policy_for(params.model.as_deref());
+        let Policy { model, net, info } = self.policy_for(params.model.as_deref())?;
         let prompt_ids = tokenize::prompt_ids(model, &params.request, &Map::new())
             .map_err(|e| tokenize_error(&e))?;
         if prompt_ids.is_empty() {
@@ -555,4 +560,12 @@ impl Engine {
         );
         Ok(())
     }
+}
+
+/// vLLM's answer to a `model` it does not serve (404 `NotFoundError`).
+pub fn model_not_found(model: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("The model `{model}` does not exist."),
+    )
 }

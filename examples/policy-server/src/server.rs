@@ -162,18 +162,30 @@ async fn read_json(req: Request<Incoming>) -> Result<Value, ApiError> {
 
 async fn chat(app: &App, req: Request<Incoming>) -> Response<Body> {
     let current = || app.engine.loaded().version;
-    let params = match read_json(req).await.and_then(|v| ChatParams::from_json(&v)) {
+    let mut params = match read_json(req).await.and_then(|v| ChatParams::from_json(&v)) {
         Ok(params) => params,
         Err(error) => return with_version(error_response(&error), &current()),
     };
-    // An adapter is answered under its own name, as vLLM does.
-    let adapter = params.model.clone().filter(|m| {
-        app.engine
+    // The served name (or none) is the base weights; an adapter is answered under its own
+    // name; any other name is a 404, as vLLM answers it (a caller that names a version
+    // must never get other weights than it named).
+    if params.model.as_deref() == Some(app.served_model_name.as_str()) {
+        params.model = None;
+    }
+    if let Some(m) = &params.model
+        && !app
+            .engine
             .adapters
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .contains_key(m)
-    });
+    {
+        return with_version(
+            error_response(&crate::engine::model_not_found(m)),
+            &current(),
+        );
+    }
+    let adapter = params.model.clone();
     let meta = Meta {
         id: app.next_id(),
         created: now_secs(),

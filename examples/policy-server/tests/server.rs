@@ -261,7 +261,7 @@ fn assemble(chunks: &[Value]) -> Streamed {
 async fn greedy_whole_and_streamed_agree_with_the_trainer() {
     let server = Server::start(&[]);
     let request = json!({
-        "model": "anything", "messages": question(), "temperature": 0, "max_tokens": 10,
+        "model": "smol", "messages": question(), "temperature": 0, "max_tokens": 10,
         "logprobs": true, "return_token_ids": true,
     });
     let started = Instant::now();
@@ -639,8 +639,9 @@ fn random_adapter(adapter: &Path, seed: i64) -> Transformer {
 }
 
 /// vLLM's runtime LoRA API, driven by the trainer's `publish` as it drives vLLM:
-/// adapters load under versioned names, requests pick them by `model`, other names get
-/// the base weights, and old versions unload.
+/// adapters load under versioned names, requests pick them by `model`, the served name
+/// gets the base weights, unknown names a 404 (never other weights), and old versions
+/// unload.
 #[tokio::test]
 async fn adapters_load_by_name_and_requests_choose_them_by_model() {
     let tmp = tempfile::tempdir().unwrap();
@@ -736,6 +737,16 @@ async fn adapters_load_by_name_and_requests_choose_them_by_model() {
         )
         .await;
     assert_eq!(status, 404);
+    // The unloaded version, and a name never loaded, are 404s in vLLM's words: never the
+    // base weights under a name that says otherwise.
+    for gone in ["coder@v1", "coder@v9", "anything"] {
+        let (status, _, body) = server.post("/v1/chat/completions", &request(gone)).await;
+        assert_eq!(status, 404, "{gone}: {body}");
+        assert_eq!(
+            body["error"]["message"],
+            format!("The model `{gone}` does not exist.")
+        );
+    }
 }
 
 fn ids_of(v: &Value) -> Vec<u32> {
