@@ -12,10 +12,19 @@
 //!    `{"lora_name", "lora_path"}`. A server that fails is named, the servers that had
 //!    loaded it unload it again, and nothing is announced (N stays claimed and is
 //!    skipped: versions increase strictly, not always by one).
-//! 4. The announcement `{prefix}/policies/NAME.json` is written (an overwrite: only the
-//!    claim holder of N writes N, and sidecars only ever follow a higher version).
-//! 5. Versions up to N − K (`--keep-loaded K`, default 2) are unloaded, so calls in flight
-//!    on the previous version finish on it.
+//! 4. N is marked live (`v{N:020}.live.json`), then the announcement
+//!    `{prefix}/policies/NAME.json` is brought to the highest live version: read it, list
+//!    the live marks, overwrite it with the highest one's announcement if it is older, and
+//!    check again after every write. The local disk has no compare-and-swap
+//!    (`PutMode::Update` is S3-only), so it is this loop that keeps two racing publishers
+//!    from leaving an older version announced: whoever writes last checks afterwards, and
+//!    a mark made after that check belongs to a publisher whose own loop runs later. A
+//!    version overtaken before it was announced is "superseded" and never announced.
+//! 5. Live versions up to N − K (`--keep-loaded K`, default 2) are unloaded, so calls in
+//!    flight on the previous version finish on it; so is a superseded N when the newer
+//!    version is K or more above it. Versions claimed but not live are left to their
+//!    publisher (it may be loading them now) unless the claim is older than
+//!    [`ABANDONED_AFTER`] (a publisher that died mid-way).
 //!
 //! Full checkpoints are not published live: vLLM loads new full weights on a restart, and
 //! SGLang's `POST /update_weights_from_disk {"model_path"}` pauses serving while it loads;
@@ -131,8 +140,11 @@ pub struct PublishOptions {
 /// What was published.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Published {
-    /// The announcement written.
+    /// This version's announcement (what `policies/NAME.json` says unless superseded).
     pub announcement: Announcement,
+    /// A newer version that another publisher made live before this one was announced:
+    /// this one was loaded but is not announced (and unloaded when `keep_loaded` says so).
+    pub superseded_by: Option<u64>,
     /// Served names unloaded because they were older than `keep_loaded` allows.
     pub unloaded: Vec<String>,
 }
@@ -144,6 +156,16 @@ fn claim_path(location: &StoreLocation, name: &str, version: u64) -> object_stor
         .child(policy::POLICIES_DIR)
         .child(name)
         .child(format!("v{version:020}.json"))
+}
+
+/// Path of the object that marks version `version` of `name` live (every server loaded
+/// it); it holds the version's announcement.
+fn live_path(location: &StoreLocation, name: &str, version: u64) -> object_store::path::Path {
+    location
+        .prefix
+        .child(policy::POLICIES_DIR)
+        .child(name)
+        .child(format!("v{version:020}.live.json"))
 }
 
 /// The announced version of `name`, if any.
@@ -227,9 +249,9 @@ pub async fn publish(
     let run = read_run(from);
 
     let name = &options.policy;
-    let claimed = claimed_versions(location, name).await?;
+    let claimed = list_versions(location, name).await?.claims;
     let announced_version = announced(location, name).await?.map_or(0, |a| a.version);
-    let version = claimed.last().copied().unwrap_or(0).max(announced_version) + 1;
+    let version = claimed.last().map_or(0, |c| c.0).max(announced_version) + 1;
     let served = policy::served_model(name, version);
     let announcement = Announcement {
         format: policy::FORMAT.into(),
@@ -291,31 +313,46 @@ pub async fn publish(
         loaded.push(server);
     }
 
-    let path = policy::announcement_path(&location.prefix, name);
+    let live = live_path(location, name, version);
     location
         .store
-        .put(&path, bytes.into())
+        .put(&live, bytes.into())
         .await
-        .with_context(|| format!("writing {path} in {location}"))?;
+        .with_context(|| format!("marking version {version} live ({live}) in {location}"))?;
+    let now_announced = converge(location, name).await?;
+    let superseded_by = (now_announced > version).then_some(now_announced);
 
     // Versions older than the kept ones go, once calls on the previous one had time to
-    // finish. Claimed versions that never went live (a failed publish) are tried too.
+    // finish: live ones, and claims whose publisher died mid-way.
     let mut unloaded = Vec::new();
-    if version > options.keep_loaded {
-        let newest_old = version - options.keep_loaded;
-        let servers: Vec<&str> = options.servers.iter().map(String::as_str).collect();
-        for old in claimed
+    let servers: Vec<&str> = options.servers.iter().map(String::as_str).collect();
+    let versions = list_versions(location, name).await?;
+    let newest = versions
+        .live
+        .last()
+        .copied()
+        .unwrap_or(version)
+        .max(version);
+    if newest > options.keep_loaded {
+        let newest_old = newest - options.keep_loaded;
+        let abandoned_before = chrono::Utc::now() - ABANDONED_AFTER;
+        for (old, claimed_at) in versions
+            .claims
             .iter()
             .copied()
-            .filter(|v| *v <= newest_old && *v + UNLOAD_WINDOW > newest_old)
+            .filter(|(v, _)| *v <= newest_old && *v + UNLOAD_WINDOW > newest_old)
         {
+            let is_live = versions.live.binary_search(&old).is_ok();
+            if !is_live && claimed_at > abandoned_before {
+                continue;
+            }
             let old_name = policy::served_model(name, old);
             unload_from(
                 &http,
                 &servers,
                 options.server_kind,
                 &old_name,
-                old == newest_old,
+                is_live && (old == newest_old || old == version),
             )
             .await;
             unloaded.push(old_name);
@@ -323,16 +360,60 @@ pub async fn publish(
     }
     Ok(Published {
         announcement,
+        superseded_by,
         unloaded,
     })
 }
+
+/// Brings `policies/NAME.json` up to the highest live version (module docs, step 4);
+/// returns the version it announces.
+async fn converge(location: &StoreLocation, name: &str) -> anyhow::Result<u64> {
+    let path = policy::announcement_path(&location.prefix, name);
+    loop {
+        let highest = list_versions(location, name)
+            .await?
+            .live
+            .last()
+            .copied()
+            .unwrap_or(0);
+        let current = announced(location, name).await?.map_or(0, |a| a.version);
+        if current >= highest {
+            return Ok(current);
+        }
+        let mark = live_path(location, name, highest);
+        let bytes = location
+            .store
+            .get(&mark)
+            .await
+            .with_context(|| format!("reading {mark} in {location}"))?
+            .bytes()
+            .await
+            .with_context(|| format!("reading {mark} in {location}"))?;
+        location
+            .store
+            .put(&path, bytes.into())
+            .await
+            .with_context(|| format!("writing {path} in {location}"))?;
+    }
+}
+
+/// How long a claimed version may stay not live before it is taken for abandoned (its
+/// publisher died between the claim and the announcement) and unloaded with the others.
+pub const ABANDONED_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(1);
 
 /// How many versions below the newest unloaded one are unloaded again on each publish
 /// (so a version that a failed request left loaded goes too).
 const UNLOAD_WINDOW: u64 = 8;
 
-/// The versions of `name` claimed so far, ascending.
-async fn claimed_versions(location: &StoreLocation, name: &str) -> anyhow::Result<Vec<u64>> {
+/// The versions of a policy in the store.
+struct Versions {
+    /// Claimed versions and when they were claimed, ascending.
+    claims: Vec<(u64, chrono::DateTime<chrono::Utc>)>,
+    /// Live versions (every server loaded them), ascending.
+    live: Vec<u64>,
+}
+
+async fn list_versions(location: &StoreLocation, name: &str) -> anyhow::Result<Versions> {
     use futures::TryStreamExt;
     let dir = location.prefix.child(policy::POLICIES_DIR).child(name);
     let metas: Vec<_> = location
@@ -341,13 +422,20 @@ async fn claimed_versions(location: &StoreLocation, name: &str) -> anyhow::Resul
         .try_collect()
         .await
         .with_context(|| format!("listing {dir} in {location}"))?;
-    let mut versions: Vec<u64> = metas
+    let version = |f: &str, suffix: &str| -> Option<u64> {
+        f.strip_prefix('v')?.strip_suffix(suffix)?.parse().ok()
+    };
+    let mut claims: Vec<_> = metas
         .iter()
-        .filter_map(|m| m.location.filename())
-        .filter_map(|f| f.strip_prefix('v')?.strip_suffix(".json")?.parse().ok())
+        .filter_map(|m| Some((version(m.location.filename()?, ".json")?, m.last_modified)))
         .collect();
-    versions.sort_unstable();
-    Ok(versions)
+    claims.sort_unstable();
+    let mut live: Vec<u64> = metas
+        .iter()
+        .filter_map(|m| version(m.location.filename()?, ".live.json"))
+        .collect();
+    live.sort_unstable();
+    Ok(Versions { claims, live })
 }
 
 async fn unload_from(

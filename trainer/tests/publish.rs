@@ -20,6 +20,11 @@ struct Scripted {
 
 impl Scripted {
     async fn start(status: u16) -> Scripted {
+        Scripted::start_slow(status, None).await
+    }
+
+    /// Loads of the served name `slow.0` take `slow.1` before they are answered.
+    async fn start_slow(status: u16, slow: Option<(&'static str, Duration)>) -> Scripted {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
@@ -56,7 +61,17 @@ impl Scripted {
                     let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
                     let body = serde_json::from_slice(&got[head_end..head_end + len])
                         .unwrap_or(Value::Null);
+                    let delay = match slow {
+                        Some((name, delay))
+                            if path.ends_with("/load_lora_adapter")
+                                && body["lora_name"] == name =>
+                        {
+                            delay
+                        }
+                        _ => Duration::ZERO,
+                    };
                     log.lock().unwrap().push((path, body));
+                    tokio::time::sleep(delay).await;
                     let text = if status == 200 {
                         "Success"
                     } else {
@@ -260,4 +275,69 @@ async fn of_two_concurrent_publishers_exactly_one_gets_each_version() {
     unique.sort();
     unique.dedup();
     assert_eq!(loads.len(), unique.len(), "{loads:?}");
+}
+
+/// A publisher overtaken while its servers load: the newer one does not unload the
+/// version being loaded, the older one never announces itself over the newer one, and
+/// unloads itself when `keep_loaded` leaves no room for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_overtaken_while_loading_never_announces_an_older_version() {
+    let tmp = tempfile::tempdir().unwrap();
+    let from = adapter_dir(tmp.path());
+    let store_dir = tmp.path().join("store");
+    std::fs::create_dir_all(&store_dir).unwrap();
+    let url = format!("file://{}", store_dir.display());
+    let server = Scripted::start_slow(200, Some(("coder@v1", Duration::from_millis(1500)))).await;
+    let mut opts = options(&from, &[&server], ServerKind::Vllm);
+    opts.keep_loaded = 1;
+    let (s1, s2) = (open_store(&url).unwrap(), open_store(&url).unwrap());
+    let slow = {
+        let opts = opts.clone();
+        tokio::spawn(async move { publish(&s1, &opts).await })
+    };
+    // The slow publisher has claimed version 1 and is loading it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server.seen().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "no load arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let fast = publish(&s2, &opts).await.unwrap();
+    assert_eq!(fast.announcement.version, 2);
+    assert_eq!(fast.superseded_by, None);
+    assert!(
+        fast.unloaded.is_empty(),
+        "version 1 is being loaded by its publisher: {:?}",
+        fast.unloaded
+    );
+    let slow = slow.await.unwrap().unwrap();
+    assert_eq!(slow.announcement.version, 1);
+    assert_eq!(slow.superseded_by, Some(2));
+    assert_eq!(slow.unloaded, ["coder@v1"]);
+    let store = open_store(&url).unwrap();
+    assert_eq!(
+        announced(&store, "coder").await.unwrap().unwrap().version,
+        2
+    );
+    let calls: Vec<(String, String)> = server
+        .seen()
+        .into_iter()
+        .map(|(p, b)| (p, b["lora_name"].as_str().unwrap().to_owned()))
+        .collect();
+    assert_eq!(
+        calls,
+        [
+            ("/v1/load_lora_adapter".to_owned(), "coder@v1".to_owned()),
+            ("/v1/load_lora_adapter".to_owned(), "coder@v2".to_owned()),
+            ("/v1/unload_lora_adapter".to_owned(), "coder@v1".to_owned()),
+        ]
+    );
+    // The next publish unloads version 2 and announces 3; nothing older comes back.
+    let next = publish(&store, &opts).await.unwrap();
+    assert_eq!(next.announcement.version, 3);
+    // (Version 1 is unloaded again too: older versions within a window are retried.)
+    assert_eq!(next.unloaded, ["coder@v1", "coder@v2"]);
+    assert_eq!(
+        announced(&store, "coder").await.unwrap().unwrap().version,
+        3
+    );
 }
