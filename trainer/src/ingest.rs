@@ -437,7 +437,8 @@ pub async fn read_store(
     Ok(read)
 }
 
-async fn read_cursor(location: &StoreLocation, run: &str) -> Result<Cursor, IngestError> {
+/// Reads the run's cursor (the empty cursor when there is none yet).
+pub async fn read_cursor(location: &StoreLocation, run: &str) -> Result<Cursor, IngestError> {
     let path = cursor_path(&location.prefix, run);
     let bytes = match location.store.get(&path).await {
         Ok(got) => got.bytes().await,

@@ -487,16 +487,23 @@ impl Loaded {
     /// Moves the run's cursor past what was read (pending episodes stay pending).
     fn advance_cursor(&self) -> anyhow::Result<()> {
         if let Some(run) = &self.run {
-            let cursor = ingest::next_cursor(
-                &self.read,
-                &self.prepared.pending,
-                self.config.ingest.lookback_hours,
-                &self.location.prefix,
-            );
-            self.runtime
-                .block_on(ingest::write_cursor(&self.location, run, &cursor))?;
+            self.runtime.block_on(ingest::write_cursor(
+                &self.location,
+                run,
+                &self.next_cursor(),
+            ))?;
         }
         Ok(())
+    }
+
+    /// The cursor after this run.
+    fn next_cursor(&self) -> ingest::Cursor {
+        ingest::next_cursor(
+            &self.read,
+            &self.prepared.pending,
+            self.config.ingest.lookback_hours,
+            &self.location.prefix,
+        )
     }
 
     fn segments(&self) -> Vec<String> {
@@ -638,23 +645,94 @@ fn watch_signals() -> anyhow::Result<()> {
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
             }
-            eprintln!("train: stop requested; finishing the current step");
+            eprintln!(
+                "train: stop requested; stopping after the current step (a run in progress is dropped and trained again on restart; signal again to exit at once)"
+            );
             STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            // Safe at any point: a run directory without its manifest is removed on
+            // restart, the manifest and the cursor are each replaced whole, and a claimed
+            // version that never went live is skipped.
+            eprintln!("train: second stop signal; exiting now");
+            std::process::exit(130);
         });
     });
     Ok(())
 }
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
-    if !args.follow {
-        train_once(&args, None).map(|_| ())
-    } else {
-        follow(args)
+    if args.follow {
+        return follow(args);
+    }
+    if let Some(done) = train_once(&args, None)? {
+        done.publish()?;
+    }
+    Ok(())
+}
+
+/// A finished run (manifest written, cursor advanced) and where it is published.
+struct Finished {
+    out: PathBuf,
+    location: tapline_proto::store::StoreLocation,
+    publish: Option<tapline_trainer::publish::PublishConfig>,
+}
+
+/// Written into a run directory once its adapter was published (`train --follow`
+/// publishes a run that lacks it when it starts again).
+const PUBLISHED_FILE: &str = "published.json";
+
+impl Finished {
+    /// Publishes the run per its `[publish]` section (nothing without one).
+    fn publish(&self) -> anyhow::Result<()> {
+        let Some(publish) = &self.publish else {
+            return Ok(());
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("start the async runtime")?;
+        let options = publish.options(&self.out);
+        let published = runtime
+            .block_on(tapline_trainer::publish::publish(&self.location, &options))
+            .with_context(|| {
+                format!(
+                    "trained, but not published; retry with `tapline-trainer publish --store {} --policy {} --from {}`",
+                    self.location.display,
+                    publish.policy,
+                    self.out.display()
+                )
+            })?;
+        let record = self.out.join(PUBLISHED_FILE);
+        std::fs::write(&record, serde_json::to_vec_pretty(&published)?)
+            .with_context(|| format!("write {}", record.display()))?;
+        match published.superseded_by {
+            None => println!(
+                "train: published {} as {}",
+                self.out.display(),
+                published.announcement.served_model
+            ),
+            Some(newer) => println!(
+                "train: loaded {} as {}, but another publisher announced version {newer} first; it stays unannounced",
+                self.out.display(),
+                published.announcement.served_model
+            ),
+        }
+        Ok(())
     }
 }
 
 /// `train --follow`: runs into `--out/000001`, `--out/000002`, ... each continuing from
 /// the one before.
+///
+/// What a stop at any point leaves is picked up by the next start: a run directory
+/// without a manifest is removed and trained again (the cursor was not advanced); a run
+/// whose manifest was written but whose cursor was not (`cursor-commit.json` says both)
+/// gets its cursor written; a run not published yet (no `published.json`) is published,
+/// unless a newer run is. A publish that fails is retried at every poll, and given up
+/// for a newer run's, which carries the same training on.
 fn follow(args: TrainArgs) -> anyhow::Result<()> {
     if !(args.poll_secs.is_finite() && args.poll_secs > 0.0) {
         anyhow::bail!(
@@ -662,6 +740,10 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
             args.poll_secs
         );
     }
+    anyhow::ensure!(
+        !args.prepare.no_cursor,
+        "--follow needs the run's cursor to know what was trained on: drop --no-cursor (with it every run would train on the same data again)"
+    );
     watch_signals()?;
     let base = args.prepare.out.clone();
     std::fs::create_dir_all(&base).with_context(|| format!("create {}", base.display()))?;
@@ -676,7 +758,35 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
                 .then(|| (n, e.path()))
         })
         .max();
+    let mut unpublished: Option<Finished> = None;
+    if let Some((_, dir)) = &previous {
+        let location = tapline_proto::store::open_store(&args.prepare.store)?;
+        finish_cursor_commit(&location, dir)?;
+        let publish = run_config_publish(dir)?;
+        if publish.is_some() && !dir.join(PUBLISHED_FILE).is_file() {
+            unpublished = Some(Finished {
+                out: dir.clone(),
+                location,
+                publish,
+            });
+        }
+    }
+    let try_publish = |unpublished: &mut Option<Finished>| {
+        if let Some(done) = unpublished.as_ref() {
+            match done.publish() {
+                Ok(()) => *unpublished = None,
+                Err(e) => eprintln!(
+                    "train: {e:#}; retrying at the next poll (or when the follower starts again)"
+                ),
+            }
+        }
+    };
     loop {
+        try_publish(&mut unpublished);
+        if stop_requested() {
+            println!("train: stopped");
+            return Ok(());
+        }
         let n = previous.as_ref().map_or(1, |(n, _)| n + 1);
         let mut run = args.clone();
         run.prepare.out = base.join(format!("{n:06}"));
@@ -691,29 +801,95 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("remove the unfinished {}", run.prepare.out.display()))?;
         }
         let trained = train_once(&run, args.min_episodes.or(Some(0)))?;
-        if trained {
-            previous = Some((n, run.prepare.out.clone()));
+        let waited = trained.is_none();
+        if let Some(done) = trained {
+            previous = Some((n, done.out.clone()));
+            // A newer run carries the unpublished one's training on: publish it instead.
+            unpublished = Some(done);
+            try_publish(&mut unpublished);
         }
         if stop_requested() {
             println!("train: stopped");
             return Ok(());
         }
-        if !trained {
+        if waited || unpublished.is_some() {
             let until = Instant::now() + std::time::Duration::from_secs_f64(args.poll_secs);
             while Instant::now() < until && !stop_requested() {
                 std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-            if stop_requested() {
-                println!("train: stopped");
-                return Ok(());
             }
         }
     }
 }
 
-/// One training run. With `min_episodes` (--follow), returns `false` without training
-/// when fewer episodes than that (or than a mini-batch, for `Some(0)`) are ready.
-fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<bool> {
+/// The `[publish]` section of the configuration a finished run recorded in its manifest.
+fn run_config_publish(
+    dir: &std::path::Path,
+) -> anyhow::Result<Option<tapline_trainer::publish::PublishConfig>> {
+    let path = dir.join("manifest.json");
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(&path).with_context(|| format!("read {}", path.display()))?,
+    )
+    .with_context(|| format!("{} is not JSON", path.display()))?;
+    match manifest["config"].get("publish") {
+        None | Some(Value::Null) => Ok(None),
+        Some(p) => Ok(Some(serde_json::from_value(p.clone()).with_context(
+            || format!("the [publish] section recorded in {}", path.display()),
+        )?)),
+    }
+}
+
+/// What a run committed to its cursor: written before the manifest, so that a stop
+/// between the manifest and the cursor write can be finished on restart.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct CursorCommit {
+    run: String,
+    before: ingest::Cursor,
+    after: ingest::Cursor,
+}
+
+const CURSOR_COMMIT_FILE: &str = "cursor-commit.json";
+
+/// Writes the cursor a finished run in `dir` committed to, if the store still holds the
+/// one it started from (the trainer stopped between its manifest and its cursor).
+fn finish_cursor_commit(
+    location: &tapline_proto::store::StoreLocation,
+    dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    let path = dir.join(CURSOR_COMMIT_FILE);
+    let Ok(bytes) = std::fs::read(&path) else {
+        return Ok(());
+    };
+    let commit: CursorCommit = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{} is not a cursor commit", path.display()))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    let now = runtime.block_on(ingest::read_cursor(location, &commit.run))?;
+    if now == commit.after {
+        return Ok(());
+    }
+    if now == commit.before {
+        runtime.block_on(ingest::write_cursor(location, &commit.run, &commit.after))?;
+        println!(
+            "train: {} was finished but its cursor not written (stopped in between); wrote it now",
+            dir.display()
+        );
+    } else {
+        eprintln!(
+            "train: warning: the cursor of run {} moved since {} was trained (another trainer on the same run?); left as it is",
+            commit.run,
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// One training run, not yet published. With `min_episodes` (--follow), returns `None`
+/// without training when fewer episodes than that (or than a mini-batch, for `Some(0)`)
+/// are ready, and `None` when a stop signal came before the last step: nothing is
+/// written (the output directory is removed) and the cursor is not advanced.
+fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<Option<Finished>> {
     let started = Instant::now();
     let started_unix_secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -755,7 +931,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<b
                 "train: {} episode(s) ready to train on, waiting for {min}",
                 ready.len()
             );
-            return Ok(false);
+            return Ok(None);
         }
         loaded.config.train.stop = Some(&STOP);
     }
@@ -853,6 +1029,18 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<b
     )?;
     bar.finish_and_clear();
     let gpu_peak_memory_bytes_sampled = gpu_memory.finish();
+    if result.steps.len() < steps {
+        // Stopped by a signal: a partial run is neither kept nor published, and its data
+        // stays unconsumed, so the next start trains the whole batch from the run before.
+        println!(
+            "train: stopped after {} of {steps} step(s); {} is dropped and the cursor not advanced",
+            result.steps.len(),
+            out.display()
+        );
+        std::fs::remove_dir_all(&out)
+            .with_context(|| format!("remove the unfinished {}", out.display()))?;
+        return Ok(None);
+    }
 
     let ckpt_started = Instant::now();
     let global_step = first_step + result.steps.len() as u64;
@@ -946,30 +1134,20 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<b
         },
         checkpoint: checkpoint_info,
     };
+    if let Some(run) = &loaded.run {
+        let commit = CursorCommit {
+            run: run.clone(),
+            before: loaded.read.cursor.clone(),
+            after: loaded.next_cursor(),
+        };
+        let path = out.join(CURSOR_COMMIT_FILE);
+        std::fs::write(&path, serde_json::to_vec_pretty(&commit)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
     manifest
         .write(&out)
         .with_context(|| format!("write {}/manifest.json", out.display()))?;
     loaded.advance_cursor()?;
-    if let Some(publish) = &loaded.config.publish {
-        // After the cursor: the training is done and kept whatever happens here.
-        let options = publish.options(&out);
-        let published = loaded
-            .runtime
-            .block_on(tapline_trainer::publish::publish(&loaded.location, &options))
-            .with_context(|| {
-                format!(
-                    "trained, but not published; retry with `tapline-trainer publish --store {} --policy {} --from {}`",
-                    loaded.location.display,
-                    publish.policy,
-                    out.display()
-                )
-            })?;
-        println!(
-            "train: published {} as {}",
-            out.display(),
-            published.announcement.served_model
-        );
-    }
     println!(
         "train: {} step(s), {} loss tokens of {} tokens, {:.1}s ({:.1}s updating) -> {}",
         result.steps.len(),
@@ -979,7 +1157,11 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<b
         result.seconds,
         out.display()
     );
-    Ok(true)
+    Ok(Some(Finished {
+        out,
+        location: loaded.location.clone(),
+        publish: loaded.config.publish.clone(),
+    }))
 }
 
 fn merge_lora(args: &MergeArgs) -> anyhow::Result<()> {

@@ -73,12 +73,13 @@ fn trace_of(sidecar: &str, prefix: &str) -> Trace {
     t
 }
 
-/// An inference server that takes every adapter: records `(path, body)` of each request
-/// and answers 200 (std threads, so it answers while the test blocks on a process).
+/// An inference server that takes every adapter but refuses the first `fail_first`
+/// loads with a 500: records `(path, body)` of each request (std threads, so it answers
+/// while the test blocks on a process).
 /// Requests an [`adapter_server`] received: `(path, JSON body)`.
 type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>;
 
-fn adapter_server() -> (String, Seen) {
+fn adapter_server(fail_first: usize) -> (String, Seen) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -113,10 +114,19 @@ fn adapter_server() -> (String, Seen) {
             let head = String::from_utf8_lossy(&got[..end]).into_owned();
             let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
             let body = serde_json::from_slice(&got[end..]).unwrap_or(Value::Null);
-            log.lock().unwrap().push((path, body));
-            let _ = socket.write_all(
-                b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\nconnection: close\r\n\r\nSuccess",
-            );
+            let mut log = log.lock().unwrap();
+            let loads = log
+                .iter()
+                .filter(|(p, _)| p.ends_with("/load_lora_adapter"))
+                .count();
+            let fail = path.ends_with("/load_lora_adapter") && loads < fail_first;
+            log.push((path, body));
+            drop(log);
+            let _ = socket.write_all(if fail {
+                &b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 6\r\nconnection: close\r\n\r\nno GPU"[..]
+            } else {
+                &b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\nconnection: close\r\n\r\nSuccess"[..]
+            });
         }
     });
     (url, seen)
@@ -338,7 +348,7 @@ async fn train_with_lora_writes_a_peft_adapter_that_scores_merges_and_resumes() 
     };
     let out = tmp.path().join("adapter-1");
     // The first run also publishes its adapter ([publish]).
-    let (server, seen) = adapter_server();
+    let (server, seen) = adapter_server(0);
     let publishing = tmp.path().join("lora-8-publish.toml");
     std::fs::write(
         &publishing,
@@ -479,23 +489,110 @@ async fn train_with_lora_writes_a_peft_adapter_that_scores_merges_and_resumes() 
     );
 }
 
+/// A `train --follow` process whose stdout is read as it runs.
+struct Follower {
+    child: std::process::Child,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Follower {
+    fn start(cmd: &mut std::process::Command) -> Follower {
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+        let out = child.stdout.take().unwrap();
+        let log = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(out)).map_while(Result::ok)
+            {
+                log.lock().unwrap().push(line);
+            }
+        });
+        Follower { child, lines }
+    }
+
+    /// Waits until `n` lines of stdout contain `needle`.
+    fn wait_for_line(&self, needle: &str, n: usize) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        loop {
+            let seen = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains(needle))
+                .count();
+            if seen >= n {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{needle:?} x{n} never printed:\n{}",
+                self.lines.lock().unwrap().join("\n")
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// SIGTERM, then the exit: (stdout, stderr).
+    fn terminate(mut self) -> (String, String) {
+        std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        let status = self.child.wait().unwrap();
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(self.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let stdout = self.lines.lock().unwrap().join("\n");
+        assert!(
+            status.success(),
+            "follow exited with {status}: {stderr}\n{stdout}"
+        );
+        assert!(stdout.contains("train: stopped"), "{stdout}");
+        (stdout, stderr)
+    }
+}
+
+fn wait_for(path: std::path::PathBuf) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while !path.is_file() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// `train --follow` with `[publish]`: each batch is trained from the run before and
+/// published; a failed publish is retried; SIGTERM in the middle of a run drops it
+/// without touching the cursor; a restart after a stop between the manifest and the
+/// cursor (and before the publish) finishes both and does not train that batch again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn train_follow_trains_each_new_batch_and_stops_cleanly_on_sigterm() {
+async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     let model = common::smollm2();
     let tmp = tempfile::tempdir().unwrap();
     let store_url = format!("file://{}", tmp.path().join("store").display());
     let store = open_store(&store_url).unwrap();
     trace_of("sc-first", "a-").write(&store, 9).await;
+    // The first load fails: the publish is retried at the next poll.
+    let (server, seen) = adapter_server(1);
     let config = tmp.path().join("lora.toml");
     std::fs::write(
         &config,
-        "[train]\nlr = 5e-4\n\n[train.lora]\nrank = 4\nalpha = 8\n",
+        format!("[train]\nlr = 5e-4\n\n[train.lora]\nrank = 4\nalpha = 8\n\n[publish]\npolicy = \"coder\"\nservers = [\"{server}\"]\n"),
     )
     .unwrap();
     let base = tmp.path().join("runs");
     let now = ((T0 / 1_000_000_000) + 600).to_string();
-    let mut child = trainer()
-        .args([
+    let follower = || {
+        let mut cmd = trainer();
+        cmd.args([
             "train",
             "--follow",
             "--min-episodes",
@@ -510,43 +607,54 @@ async fn train_follow_trains_each_new_batch_and_stops_cleanly_on_sigterm() {
         .arg("--config")
         .arg(&config)
         .args(["--now-unix-secs", &now, "--mini-batch-episodes", "8"])
-        .args(["--max-seq-len", "512", "--micro-batch-tokens", "512"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let wait_for = |path: std::path::PathBuf| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
-        while !path.is_file() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{} never appeared",
-                path.display()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(200));
-        }
+        .args(["--max-seq-len", "512", "--micro-batch-tokens", "512"]);
+        Follower::start(&mut cmd)
     };
-    wait_for(base.join("000001/manifest.json"));
+    let announced_now = || async {
+        tapline_trainer::publish::announced(&store, "coder")
+            .await
+            .unwrap()
+            .unwrap()
+    };
+    let published_from = |run: &str| -> (u64, String) {
+        let p = read_json(&base.join(run).join("published.json"));
+        (
+            p["announcement"]["version"].as_u64().unwrap(),
+            p["announcement"]["adapter"].as_str().unwrap().to_owned(),
+        )
+    };
+
+    let f = follower();
+    wait_for(base.join("000001/published.json"));
+    // Version 1 was claimed by the failed try, so the retry is version 2.
+    assert_eq!(
+        published_from("000001"),
+        (2, base.join("000001").display().to_string())
+    );
     // Nothing new: it waits. Then a second batch arrives and is trained on, from the
     // first run's adapter and optimizer state.
     std::thread::sleep(std::time::Duration::from_millis(800));
     assert!(!base.join("000002").join("manifest.json").exists());
     trace_of("sc-second", "b-").write(&store, 9).await;
-    wait_for(base.join("000002/manifest.json"));
-    std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let status = child.wait().unwrap();
-    let mut stdout = String::new();
-    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut stdout).unwrap();
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    wait_for(base.join("000002/published.json"));
+    assert_eq!(published_from("000002").0, 3);
+    assert_eq!(announced_now().await.version, 3);
+
+    // Stopped while waiting.
+    f.terminate();
+
+    // A batch of two mini-batches (written while no follower runs, so that it is seen
+    // whole); SIGTERM before its last step drops the run.
+    trace_of("sc-third", "c-").write(&store, 9).await;
+    trace_of("sc-third-b", "d-").write(&store, 9).await;
+    let f = follower();
+    f.wait_for_line("step(s) from global step", 1);
+    let (stdout, _) = f.terminate();
     assert!(
-        status.success(),
-        "follow exited with {status}: {stderr}\n{stdout}"
+        stdout.contains("train: stopped after 1 of 2 step(s)"),
+        "{stdout}"
     );
-    assert!(stdout.contains("train: stopped"), "{stdout}");
+    assert!(!base.join("000003").exists());
 
     let first = read_json(&base.join("000001/manifest.json"));
     let second = read_json(&base.join("000002/manifest.json"));
@@ -576,8 +684,49 @@ async fn train_follow_trains_each_new_batch_and_stops_cleanly_on_sigterm() {
         second["model"]["global_step_before"],
         first["steps"].as_array().unwrap().len() as u64
     );
-    assert!(!base.join("000003").join("manifest.json").exists());
-    // The cursor holds both batches: a prepare of the same run finds nothing new.
+
+    // As if the second run had stopped right after its manifest: its cursor not
+    // written, its adapter not published.
+    let commit = read_json(&base.join("000002/cursor-commit.json"));
+    let before: tapline_trainer::ingest::Cursor =
+        serde_json::from_value(commit["before"].clone()).unwrap();
+    tapline_trainer::ingest::write_cursor(&store, commit["run"].as_str().unwrap(), &before)
+        .await
+        .unwrap();
+    std::fs::remove_file(base.join("000002/published.json")).unwrap();
+
+    let f = follower();
+    wait_for(base.join("000003/published.json"));
+    let (stdout, _) = f.terminate();
+    assert!(stdout.contains("its cursor not written"), "{stdout}");
+    assert_eq!(
+        published_from("000002"),
+        (4, base.join("000002").display().to_string())
+    );
+    assert_eq!(published_from("000003").0, 5);
+    assert_eq!(announced_now().await.version, 5);
+    let third = read_json(&base.join("000003/manifest.json"));
+    assert!(
+        keys(&third).iter().all(|k| k.contains("sc-third")) && keys(&third).len() >= 2,
+        "the second batch is not trained again: {:?}",
+        keys(&third)
+    );
+    assert_eq!(third["steps"].as_array().unwrap().len(), 2);
+    assert!(!base.join("000004").join("manifest.json").exists());
+    // Every version the server loaded: 1 failed, then 2..=5 in order.
+    let loads: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(p, _)| p == "/v1/load_lora_adapter")
+        .map(|(_, b)| b["lora_name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        loads,
+        ["coder@v1", "coder@v2", "coder@v3", "coder@v4", "coder@v5"]
+    );
+
+    // The cursor holds every batch: a prepare of the same run finds nothing new.
     let out = tmp.path().join("after");
     let (ok, stdout, stderr) = run(trainer()
         .args(["prepare", "--store", &store_url, "--model"])
@@ -588,4 +737,19 @@ async fn train_follow_trains_each_new_batch_and_stops_cleanly_on_sigterm() {
     assert!(ok, "{stderr}");
     let report = read_json(&out.join("report.json"));
     assert_eq!(report["input"]["segments"], 0, "{stdout}");
+
+    // --no-cursor cannot follow.
+    let (ok, _, stderr) = run(trainer()
+        .args([
+            "train",
+            "--follow",
+            "--no-cursor",
+            "--store",
+            &store_url,
+            "--model",
+        ])
+        .arg(&model)
+        .arg("--out")
+        .arg(tmp.path().join("never")));
+    assert!(!ok && stderr.contains("drop --no-cursor"), "{stderr}");
 }
