@@ -174,7 +174,8 @@ struct TrainArgs {
     /// Train continuously: wait for --min-episodes new ended episodes, train on them
     /// into `--out/NNNNNN` (each run continuing from the one before, optimizer state
     /// included), publish when the config has `[publish]`, repeat. SIGTERM or Ctrl-C
-    /// ends the current step, writes its checkpoint, manifest and cursor, and exits.
+    /// ends the current step, writes its checkpoint, manifest and cursor (episodes not
+    /// reached stay pending), publishes, and exits; a second signal exits at once.
     #[arg(long)]
     follow: bool,
     /// With --follow: episodes ready to train on before a run starts [default: the
@@ -646,7 +647,7 @@ fn watch_signals() -> anyhow::Result<()> {
                 _ = tokio::signal::ctrl_c() => {}
             }
             eprintln!(
-                "train: stop requested; stopping after the current step (a run in progress is dropped and trained again on restart; signal again to exit at once)"
+                "train: stop requested; finishing the current step and its bookkeeping (signal again to exit at once)"
             );
             STOP.store(true, std::sync::atomic::Ordering::SeqCst);
             tokio::select! {
@@ -727,7 +728,9 @@ impl Finished {
 /// `train --follow`: runs into `--out/000001`, `--out/000002`, ... each continuing from
 /// the one before.
 ///
-/// What a stop at any point leaves is picked up by the next start: a run directory
+/// A stop signal ends the run in progress after its current step with its bookkeeping
+/// done (the episodes it did not reach stay pending in the cursor), then the follower.
+/// What a stop at any other point leaves is picked up by the next start: a run directory
 /// without a manifest is removed and trained again (the cursor was not advanced); a run
 /// whose manifest was written but whose cursor was not (`cursor-commit.json` says both)
 /// gets its cursor written; a run not published yet (no `published.json`) is published,
@@ -887,8 +890,7 @@ fn finish_cursor_commit(
 
 /// One training run, not yet published. With `min_episodes` (--follow), returns `None`
 /// without training when fewer episodes than that (or than a mini-batch, for `Some(0)`)
-/// are ready, and `None` when a stop signal came before the last step: nothing is
-/// written (the output directory is removed) and the cursor is not advanced.
+/// are ready. A stop signal ends it after the current step, with its bookkeeping done.
 fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<Option<Finished>> {
     let started = Instant::now();
     let started_unix_secs = std::time::SystemTime::now()
@@ -1029,17 +1031,45 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     )?;
     bar.finish_and_clear();
     let gpu_peak_memory_bytes_sampled = gpu_memory.finish();
+    // Stopped by a signal before the last step: the steps taken are kept (checkpoint,
+    // manifest, publish) and the episodes of the mini-batches not trained on stay
+    // pending in the cursor, so the next run trains them; nothing is lost or repeated.
+    let mut stopped_early = None;
     if result.steps.len() < steps {
-        // Stopped by a signal: a partial run is neither kept nor published, and its data
-        // stays unconsumed, so the next start trains the whole batch from the run before.
+        let batches = &loaded.prepared.mini_batches;
+        let episodes_of =
+            |mbs: &[tapline_trainer::batch::MiniBatch]| -> std::collections::BTreeSet<String> {
+                mbs.iter()
+                    .flat_map(|mb| &mb.micro_batches)
+                    .flat_map(|m| &m.sequences)
+                    .map(|s| s.episode_id.clone())
+                    .collect()
+            };
+        let done = result.steps.len().min(batches.len());
+        let trained = episodes_of(&batches[..done]);
+        let left: Vec<String> = episodes_of(&batches[done..])
+            .into_iter()
+            .filter(|e| !trained.contains(e))
+            .collect();
+        for episode in &left {
+            let segments = loaded
+                .prepared
+                .episode_segments
+                .get(episode)
+                .cloned()
+                .unwrap_or_default();
+            loaded.prepared.pending.insert(episode.clone(), segments);
+        }
         println!(
-            "train: stopped after {} of {steps} step(s); {} is dropped and the cursor not advanced",
+            "train: stopped after {} of {steps} step(s); {} episode(s) not trained on stay pending for the next run",
             result.steps.len(),
-            out.display()
+            left.len()
         );
-        std::fs::remove_dir_all(&out)
-            .with_context(|| format!("remove the unfinished {}", out.display()))?;
-        return Ok(None);
+        stopped_early = Some(serde_json::json!({
+            "steps": result.steps.len(),
+            "of": steps,
+            "episodes_left": left.len(),
+        }));
     }
 
     let ckpt_started = Instant::now();
@@ -1133,6 +1163,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             },
         },
         checkpoint: checkpoint_info,
+        stopped_early,
     };
     if let Some(run) = &loaded.run {
         let commit = CursorCommit {
