@@ -89,20 +89,9 @@ impl SegmentKey {
 
     /// The object path of the segment under `prefix`.
     pub fn to_path(&self, prefix: &Path) -> Path {
-        let (y, m, d) = civil_from_days(self.hour_unix_secs.div_euclid(86_400));
-        let h = self.hour_unix_secs.rem_euclid(86_400) / 3600;
-        let mut path = segments_root(prefix);
-        for part in [
-            format!("{y:04}"),
-            format!("{m:02}"),
-            format!("{d:02}"),
-            format!("{h:02}"),
-            self.sidecar_id.clone(),
-            format!("{:016x}.{EXTENSION}", self.first_seq),
-        ] {
-            path = path.child(part);
-        }
-        path
+        hour_dir(prefix, self.hour_unix_secs)
+            .child(self.sidecar_id.as_str())
+            .child(format!("{:016x}.{EXTENSION}", self.first_seq))
     }
 
     /// Parses an object path written by [`SegmentKey::to_path`] under `prefix`.
@@ -167,6 +156,36 @@ pub fn segments_root(prefix: &Path) -> Path {
     prefix.child(SEGMENTS_DIR).child(SCHEME_VERSION)
 }
 
+/// The directory of the segments of the UTC hour starting at `hour_unix_secs` (rounded
+/// down to the hour): `{prefix}/segments/v1/yyyy/mm/dd/hh`. Hour directories sort in time
+/// order, and every key of an hour sorts after its directory and before the next one's.
+pub fn hour_dir(prefix: &Path, hour_unix_secs: i64) -> Path {
+    let hour = hour_unix_secs - hour_unix_secs.rem_euclid(3600);
+    let (y, m, d) = civil_from_days(hour.div_euclid(86_400));
+    let h = hour.rem_euclid(86_400) / 3600;
+    let mut path = segments_root(prefix);
+    for part in [
+        format!("{y:04}"),
+        format!("{m:02}"),
+        format!("{d:02}"),
+        format!("{h:02}"),
+    ] {
+        path = path.child(part);
+    }
+    path
+}
+
+/// The hour (Unix seconds) of an hour directory written by [`hour_dir`].
+pub fn parse_hour_dir(prefix: &Path, dir: &Path) -> Result<i64, KeyError> {
+    let probe = dir.child("x").child(format!("{:016x}.{EXTENSION}", 0));
+    SegmentKey::parse(prefix, &probe)
+        .map(|k| k.hour_unix_secs)
+        .map_err(|_| KeyError::NotASegmentKey {
+            path: dir.to_string(),
+            reason: "not an hour directory (yyyy/mm/dd/hh under the segments directory)",
+        })
+}
+
 /// Days since 1970-01-01 to a (year, month, day) in the proleptic Gregorian calendar
 /// (Howard Hinnant's algorithm).
 fn civil_from_days(z: i64) -> (i64, i64, i64) {
@@ -196,6 +215,26 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hour_dirs_round_trip_and_bracket_their_keys() {
+        let prefix = Path::from("p");
+        for hour in [
+            0_i64,
+            1_798_758_000,
+            1_798_761_600 - 3600,
+            4_102_444_800 - 3600,
+        ] {
+            let dir = hour_dir(&prefix, hour + 1234);
+            assert_eq!(parse_hour_dir(&prefix, &dir).unwrap(), hour);
+            let key = SegmentKey::new("sc", 7, (hour + 59) * 1_000_000_000)
+                .unwrap()
+                .to_path(&prefix);
+            let next = hour_dir(&prefix, hour + 3600);
+            assert!(dir.as_ref() < key.as_ref() && key.as_ref() < next.as_ref());
+        }
+        assert!(parse_hour_dir(&prefix, &Path::from("p/segments/v1/2026/12")).is_err());
+    }
 
     #[test]
     fn formats_the_documented_layout() {

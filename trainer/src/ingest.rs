@@ -7,24 +7,50 @@
 //!
 //! ```json
 //! {
-//!   "version": 1,
+//!   "version": 2,
 //!   "watermark": "segments/v1/2026/12/01/09",
-//!   "consumed": ["segments/v1/2026/12/02/08/pod-1/000000000000002a.tlseg", "..."],
+//!   "sidecars": {
+//!     "pod-1": {"ranges": [[0, 4181], [4200, 4310]], "newest_hour": "segments/v1/2026/12/02/08"}
+//!   },
 //!   "pending_segments": ["..."],
 //!   "pending_episodes": ["0193...-uuid", "..."]
 //! }
 //! ```
 //!
-//! A run reads every segment whose key sorts after `watermark` and is not in `consumed`,
-//! plus the `pending_segments` again, keeping from those only the records of
-//! `pending_episodes` (episodes that had not ended yet, within the grace period). After a
-//! successful run the cursor is rewritten: every segment read is consumed; segments
-//! holding records of episodes still pending become `pending_segments`; the watermark
-//! moves to `lookback_hours` before the newest segment's hour and consumed keys below it
-//! are forgotten. The lookback lets a sidecar that uploads late (after a restart or an
+//! A run reads every segment whose key sorts after `watermark` and that it has not read
+//! before, plus the `pending_segments` again, keeping from those only the records of
+//! `pending_episodes` (episodes that had not ended yet, within the grace period).
+//!
+//! What was read is kept per sidecar, not per segment: a sidecar's spool numbers its
+//! records 0, 1, 2, … for ever (`tapline_proto::keys`), a segment holds the records
+//! `first_seq ..= first_seq + count - 1`, and `ranges` are those spans of the segments
+//! read, merged. A segment was read iff its `first_seq` falls in a range of its sidecar
+//! (spans of one sidecar never overlap). Segments arrive in order almost always, so a
+//! busy sidecar is one range whatever its number of segments; one that uploads out of
+//! order after a retry, or whose numbering jumped (a lost spool restarts from the clock),
+//! has a few more until the hole is filled. The cursor's size follows the number of
+//! sidecars, not of segments. (Version 1 kept every key read, in `consumed`; such a
+//! cursor is read as is, its keys stay authoritative until the watermark passes them,
+//! and it is written back as version 2.)
+//!
+//! After a successful run the cursor is rewritten: every segment read joins its
+//! sidecar's ranges; segments holding records of episodes still pending become
+//! `pending_segments`; the watermark moves to `lookback_hours` before the newest
+//! segment's hour, and a sidecar whose newest segment read is before the watermark is
+//! forgotten (any segment of it that was read sorts before the watermark and is never
+//! listed again). The lookback lets a sidecar that uploads late (after a restart or an
 //! outage) still be read, as long as it is late by less than `lookback_hours`. The
 //! cursor is only written after the batches are written, so a failed run reads the same
 //! segments again. Two runs with the same name must not run at once.
+//!
+//! ## Listing and reading
+//!
+//! With a watermark, only the hour directories from the watermark's to the current
+//! hour are listed, each with its own `list` call, concurrently, plus one listing of
+//! everything after the current hour (sidecar clocks ahead). Segments are fetched and
+//! decoded `concurrent_reads` at a time and assembled in key order, so the result is the
+//! same as a sequential read; memory holds at most that many segment objects at once
+//! besides the records kept.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
@@ -32,7 +58,7 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, PutPayload};
 use serde::{Deserialize, Serialize};
-use tapline_proto::keys::{SegmentKey, segments_root};
+use tapline_proto::keys::{SegmentKey, hour_dir, parse_hour_dir, segments_root};
 use tapline_proto::segment::{Limits, SegmentError, SkippedRecord, read_segment};
 use tapline_proto::store::StoreLocation;
 use tapline_proto::{EpisodeEvent, EpisodeEventKind, LlmCall, Record, RecordKind, Reward};
@@ -100,20 +126,78 @@ impl Default for IngestOptions {
     }
 }
 
+/// The cursor format written.
+pub const CURSOR_VERSION: u32 = 2;
+
 /// Progress of one run name through the store; see the module documentation.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cursor {
-    /// Format version (1).
+    /// Format version ([`CURSOR_VERSION`]; 1 is read too).
     pub version: u32,
     /// Keys sorting at or before this one (relative to the store prefix) are not read.
     pub watermark: String,
-    /// Keys after the watermark already read.
+    /// What was read of each sidecar's segments after the watermark.
+    #[serde(default)]
+    pub sidecars: BTreeMap<String, SidecarProgress>,
+    /// Keys after the watermark read under version 1 (version 2 keeps `sidecars`
+    /// instead; kept until the watermark passes them).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub consumed: BTreeSet<String>,
     /// Keys to read again for the records of `pending_episodes`.
     pub pending_segments: BTreeSet<String>,
     /// Episodes that had not ended at the last run.
     pub pending_episodes: BTreeSet<String>,
+}
+
+impl Cursor {
+    /// Whether the segment `rel` (relative key, parsed as `key`) was read before or
+    /// sorts at or before the watermark.
+    pub fn is_consumed(&self, rel: &str, key: &SegmentKey) -> bool {
+        rel <= self.watermark.as_str()
+            || self.consumed.contains(rel)
+            || self
+                .sidecars
+                .get(&key.sidecar_id)
+                .is_some_and(|p| p.contains(key.first_seq))
+    }
+}
+
+/// The part of one sidecar's segments a run name has read.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarProgress {
+    /// Spool sequence spans `[first, last]` of the segments read: ascending, disjoint,
+    /// and not adjacent (adjacent spans are merged).
+    pub ranges: Vec<[u64; 2]>,
+    /// Hour directory (relative to the store prefix) of the newest segment read.
+    pub newest_hour: String,
+}
+
+impl SidecarProgress {
+    /// Whether `seq` falls in a span.
+    pub fn contains(&self, seq: u64) -> bool {
+        let i = self.ranges.partition_point(|r| r[1] < seq);
+        self.ranges.get(i).is_some_and(|r| r[0] <= seq)
+    }
+
+    /// Adds the span `first ..= last`, merging it with the spans it overlaps or touches.
+    pub fn insert(&mut self, first: u64, last: u64) {
+        let (first, last) = (first.min(last), first.max(last));
+        // Spans ending before `first - 1` stay left; spans starting after `last + 1` right.
+        let lo = self
+            .ranges
+            .partition_point(|r| r[1].saturating_add(1) < first);
+        let hi = self
+            .ranges
+            .partition_point(|r| r[0] <= last.saturating_add(1));
+        let (mut a, mut b) = (first, last);
+        if lo < hi {
+            a = a.min(self.ranges[lo][0]);
+            b = b.max(self.ranges[hi - 1][1]);
+        }
+        self.ranges.splice(lo..hi, [[a, b]]);
+    }
 }
 
 /// One episode with everything recorded about it.
@@ -264,6 +348,11 @@ pub struct StoreRead {
     pub foreign_objects: u64,
     /// SHA-256 (hex) of every segment read, by key: the provenance of a run's manifest.
     pub checksums: std::collections::BTreeMap<String, String>,
+    /// Records in each new segment read (those skipped as oversized included; 1 for an
+    /// unreadable segment, whose count is unknown): its span of sequence numbers.
+    pub record_counts: BTreeMap<String, u64>,
+    /// `list` calls made.
+    pub list_calls: u64,
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -314,12 +403,18 @@ fn absolute(prefix: &Path, relative: &str) -> Path {
         .fold(prefix.clone(), |path, part| path.child(part))
 }
 
+/// The hour directories listed one by one at most; a longer window (a run name not run
+/// for a week) is listed in one pass after the watermark.
+const MAX_HOURS_LISTED: i64 = 24 * 8;
+
 /// Reads the run's cursor (`None` reads from the first segment) and every segment it
-/// says is new or pending, and joins the records.
+/// says is new or pending, and joins the records. `now_unix_nanos` bounds the hour
+/// directories listed one by one (later ones are listed in one pass).
 pub async fn read_store(
     location: &StoreLocation,
     run: Option<&str>,
     options: &IngestOptions,
+    now_unix_nanos: i64,
 ) -> Result<StoreRead, IngestError> {
     let store = &location.store;
     let prefix = &location.prefix;
@@ -338,72 +433,79 @@ pub async fn read_store(
         }
         None => Cursor::default(),
     };
+    let concurrency = options.concurrent_reads.max(1);
 
-    let root = segments_root(prefix);
-    let listing = if cursor.watermark.is_empty() {
-        store.list(Some(&root))
-    } else {
-        store.list_with_offset(Some(&root), &absolute(prefix, &cursor.watermark))
-    };
-    let metas: Vec<_> = listing
-        .try_collect()
-        .await
-        .map_err(store_err(format!("list {root}")))?;
     let mut read = StoreRead {
         cursor: cursor.clone(),
         ..StoreRead::default()
     };
+    let metas = list_after(location, &cursor.watermark, now_unix_nanos, concurrency).await?;
+    read.list_calls = metas.1;
     let mut new_paths = Vec::new();
-    for meta in metas {
-        if SegmentKey::parse(prefix, &meta.location).is_err() {
+    for meta in metas.0 {
+        let Ok(key) = SegmentKey::parse(prefix, &meta.location) else {
             read.foreign_objects += 1;
             continue;
-        }
+        };
         let rel = relative(prefix, &meta.location);
-        if rel.as_str() <= cursor.watermark.as_str() || cursor.consumed.contains(&rel) {
+        if cursor.is_consumed(&rel, &key) {
             continue;
         }
         new_paths.push((rel, meta.location));
     }
     new_paths.sort();
+    new_paths.dedup();
     let reread: Vec<(String, Path)> = cursor
         .pending_segments
         .iter()
         .map(|k| (k.clone(), absolute(prefix, k)))
         .collect();
 
+    // Fetch and decode `concurrency` segments at a time, in key order.
     let fetch = |(rel, path): (String, Path), reread: bool| {
         let store: std::sync::Arc<dyn ObjectStore> = store.clone();
         let err = store_err(format!("read {path}"));
         async move {
             let bytes = match store.get(&path).await {
                 Ok(got) => got.bytes().await.map_err(err)?,
-                Err(object_store::Error::NotFound { .. }) if reread => bytes::Bytes::new(),
+                // A pending segment deleted since: nothing left to read in it.
+                Err(object_store::Error::NotFound { .. }) if reread => {
+                    return Ok::<_, IngestError>((rel, reread, None));
+                }
                 Err(e) => return Err(err(e)),
             };
-            Ok::<_, IngestError>((rel, bytes, reread))
+            let decoded = tokio::task::spawn_blocking(move || {
+                (sha256_hex(&bytes), read_segment(&bytes, Limits::default()))
+            })
+            .await
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic.into_panic()));
+            Ok((rel, reread, Some(decoded)))
         }
     };
     let jobs = reread
         .into_iter()
         .map(|p| (p, true))
         .chain(new_paths.into_iter().map(|p| (p, false)));
-    let fetched: Vec<(String, bytes::Bytes, bool)> = futures::stream::iter(jobs)
+    let mut fetched = futures::stream::iter(jobs)
         .map(|(p, reread)| fetch(p, reread))
-        .buffered(options.concurrent_reads.max(1))
-        .try_collect()
-        .await?;
+        .buffered(concurrency);
 
-    let mut segments: Vec<(String, Vec<Record>)> = Vec::with_capacity(fetched.len());
-    for (rel, bytes, reread) in fetched {
-        if reread && bytes.is_empty() {
-            // A pending segment that was deleted since: nothing left to read in it.
+    let mut segments: Vec<(String, Vec<Record>)> = Vec::new();
+    while let Some(next) = fetched.next().await {
+        let (rel, reread, decoded) = next?;
+        let Some((checksum, decoded)) = decoded else {
             read.reread_segments.push(rel);
             continue;
-        }
-        read.checksums.insert(rel.clone(), sha256_hex(&bytes));
-        let records = match read_segment(&bytes, Limits::default()) {
+        };
+        read.checksums.insert(rel.clone(), checksum);
+        let records = match decoded {
             Ok(contents) => {
+                if !reread {
+                    read.record_counts.insert(
+                        rel.clone(),
+                        (contents.records.len() + contents.skipped.len()) as u64,
+                    );
+                }
                 read.oversized_records
                     .extend(contents.skipped.into_iter().map(|s| (rel.clone(), s)));
                 contents.records
@@ -412,6 +514,7 @@ pub async fn read_store(
                 read.unreadable_segments
                     .push((rel.clone(), source.to_string()));
                 if !reread {
+                    read.record_counts.insert(rel.clone(), 1);
                     read.new_segments.push(rel);
                 }
                 continue;
@@ -437,6 +540,72 @@ pub async fn read_store(
     Ok(read)
 }
 
+/// Lists the objects under the segments directory that sort after `watermark` (every
+/// one when it is empty): the hour directories from the watermark's to `now`'s one by
+/// one, `concurrency` at a time, and everything after in one pass. Returns the objects
+/// (unordered) and the number of `list` calls.
+async fn list_after(
+    location: &StoreLocation,
+    watermark: &str,
+    now_unix_nanos: i64,
+    concurrency: usize,
+) -> Result<(Vec<object_store::ObjectMeta>, u64), IngestError> {
+    let store = &location.store;
+    let prefix = &location.prefix;
+    let root = segments_root(prefix);
+    let err = |action: String| {
+        let display = location.display.clone();
+        move |source| IngestError::Store {
+            store: display,
+            action,
+            source,
+        }
+    };
+    let whole = |offset: Option<Path>| async move {
+        let listing = match &offset {
+            None => store.list(Some(&root)),
+            Some(offset) => store.list_with_offset(Some(&root), offset),
+        };
+        listing
+            .try_collect::<Vec<_>>()
+            .await
+            .map_err(err(format!("list {}", segments_root(prefix))))
+    };
+    if watermark.is_empty() {
+        return Ok((whole(None).await?, 1));
+    }
+    let watermark_path = absolute(prefix, watermark);
+    let Ok(from) = parse_hour_dir(prefix, &watermark_path) else {
+        // Not an hour directory (written by hand?): everything after it.
+        return Ok((whole(Some(watermark_path)).await?, 1));
+    };
+    let now_hour = now_unix_nanos.div_euclid(1_000_000_000).div_euclid(3600) * 3600;
+    let to = now_hour.max(from);
+    if (to - from) / 3600 > MAX_HOURS_LISTED {
+        return Ok((whole(Some(watermark_path)).await?, 1));
+    }
+    // The watermark's own hour directory sorts before its keys: they are after it.
+    let hours: Vec<Path> = (0..=(to - from) / 3600)
+        .map(|i| hour_dir(prefix, from + i * 3600))
+        .collect();
+    let calls = hours.len() as u64 + 1;
+    let per_hour = futures::stream::iter(hours)
+        .map(|dir| async move {
+            store
+                .list(Some(&dir))
+                .try_collect::<Vec<_>>()
+                .await
+                .map_err(err(format!("list {dir}")))
+        })
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<_>>();
+    let after = whole(Some(hour_dir(prefix, to + 3600)));
+    let (per_hour, after) = futures::join!(per_hour, after);
+    let mut metas: Vec<_> = per_hour?.into_iter().flatten().collect();
+    metas.extend(after?);
+    Ok((metas, calls))
+}
+
 /// Reads the run's cursor (the empty cursor when there is none yet).
 pub async fn read_cursor(location: &StoreLocation, run: &str) -> Result<Cursor, IngestError> {
     let path = cursor_path(&location.prefix, run);
@@ -454,13 +623,15 @@ pub async fn read_cursor(location: &StoreLocation, run: &str) -> Result<Cursor, 
         key: path.to_string(),
         reason: e.to_string(),
     })?;
-    if cursor.version != 1 {
-        return Err(IngestError::BadCursor {
+    match cursor.version {
+        // Version 1 keeps every key read in `consumed`, which version 2 still honours.
+        1 if cursor.sidecars.is_empty() => Ok(cursor),
+        CURSOR_VERSION => Ok(cursor),
+        v => Err(IngestError::BadCursor {
             key: path.to_string(),
-            reason: format!("version {} is not 1", cursor.version),
-        });
+            reason: format!("version {v} is not one this trainer reads (1 or {CURSOR_VERSION})"),
+        }),
     }
-    Ok(cursor)
 }
 
 /// The cursor after a successful run; see the module documentation.
@@ -473,38 +644,51 @@ pub fn next_cursor(
     prefix: &Path,
 ) -> Cursor {
     let mut consumed = read.cursor.consumed.clone();
-    consumed.extend(read.new_segments.iter().cloned());
-    let pending_segments: BTreeSet<String> = pending.values().flatten().cloned().collect();
-    let newest_hour = consumed
-        .iter()
-        .filter_map(|k| SegmentKey::parse(prefix, &absolute(prefix, k)).ok())
-        .map(|k| k.hour_unix_secs)
+    let mut sidecars = read.cursor.sidecars.clone();
+    for rel in &read.new_segments {
+        let Ok(key) = SegmentKey::parse(prefix, &absolute(prefix, rel)) else {
+            // Not a segment key (cannot happen: only keys are read); kept as a key.
+            consumed.insert(rel.clone());
+            continue;
+        };
+        let count = read.record_counts.get(rel).copied().unwrap_or(1).max(1);
+        let hour = relative(prefix, &hour_dir(prefix, key.hour_unix_secs));
+        let progress = sidecars.entry(key.sidecar_id.clone()).or_default();
+        progress.insert(key.first_seq, key.first_seq.saturating_add(count - 1));
+        if hour > progress.newest_hour {
+            progress.newest_hour = hour;
+        }
+    }
+    let newest_hour = sidecars
+        .values()
+        .filter_map(|p| parse_hour_dir(prefix, &absolute(prefix, &p.newest_hour)).ok())
+        .chain(
+            consumed
+                .iter()
+                .filter_map(|k| SegmentKey::parse(prefix, &absolute(prefix, k)).ok())
+                .map(|k| k.hour_unix_secs),
+        )
         .max();
     let mut watermark = read.cursor.watermark.clone();
     if let Some(hour) = newest_hour {
-        let cut = hour - i64::from(lookback_hours) * 3600;
-        // The path of a segment of that hour, cut after the hour component.
-        let probe = SegmentKey {
-            hour_unix_secs: cut,
-            sidecar_id: "x".into(),
-            first_seq: 0,
-        }
-        .to_path(prefix);
-        let parts: Vec<String> = probe
-            .prefix_match(prefix)
-            .map(|p| p.map(|p| p.as_ref().to_owned()).collect())
-            .unwrap_or_default();
-        let candidate = parts[..parts.len().saturating_sub(2)].join("/");
+        let candidate = relative(
+            prefix,
+            &hour_dir(prefix, hour - i64::from(lookback_hours) * 3600),
+        );
         if candidate > watermark {
             watermark = candidate;
         }
     }
     consumed.retain(|k| k.as_str() > watermark.as_str());
+    // The keys of an hour sort after its directory: a sidecar whose newest segment read
+    // is in the watermark's hour is still listed, one from before is not.
+    sidecars.retain(|_, p| p.newest_hour.as_str() >= watermark.as_str());
     Cursor {
-        version: 1,
+        version: CURSOR_VERSION,
         watermark,
+        sidecars,
         consumed,
-        pending_segments,
+        pending_segments: pending.values().flatten().cloned().collect(),
         pending_episodes: pending.keys().cloned().collect(),
     }
 }
@@ -617,7 +801,59 @@ mod tests {
         };
         let cursor = next_cursor(&read, &BTreeMap::new(), 24, &prefix);
         assert_eq!(cursor.watermark, "segments/v1/2027/01/15/14");
-        assert_eq!(cursor.consumed.len(), 2, "{cursor:?}");
-        assert!(cursor.consumed.iter().all(|k| k > &cursor.watermark));
+        // Segments of one sidecar with one record each: 1 and 2, 3 (2 is before the
+        // watermark's hour, but the sidecar is kept for its newest segment).
+        assert_eq!(cursor.sidecars["s"].ranges, [[1, 3]], "{cursor:?}");
+        assert_eq!(
+            cursor.sidecars["s"].newest_hour,
+            "segments/v1/2027/01/16/14"
+        );
+        assert!(cursor.consumed.is_empty());
+    }
+
+    #[test]
+    fn spans_merge_when_they_touch_and_answer_membership() {
+        let mut p = SidecarProgress::default();
+        p.insert(10, 19);
+        p.insert(30, 39);
+        assert_eq!(p.ranges, [[10, 19], [30, 39]]);
+        assert!(p.contains(10) && p.contains(19) && p.contains(35));
+        assert!(!p.contains(9) && !p.contains(20) && !p.contains(29) && !p.contains(40));
+        p.insert(20, 25);
+        assert_eq!(p.ranges, [[10, 25], [30, 39]]);
+        p.insert(26, 29);
+        assert_eq!(p.ranges, [[10, 39]]);
+        p.insert(0, 4);
+        p.insert(50, 50);
+        p.insert(45, 48);
+        assert_eq!(p.ranges, [[0, 4], [10, 39], [45, 48], [50, 50]]);
+        p.insert(3, 60);
+        assert_eq!(p.ranges, [[0, 60]]);
+        p.insert(u64::MAX - 1, u64::MAX);
+        assert!(p.contains(u64::MAX) && !p.contains(61));
+    }
+
+    #[test]
+    fn a_version_1_cursor_reads_and_is_written_as_version_2() {
+        let v1 = r#"{"version":1,"watermark":"segments/v1/2026/12/01/09","consumed":["segments/v1/2026/12/02/08/pod-1/000000000000002a.tlseg"],"pending_segments":[],"pending_episodes":[]}"#;
+        let cursor: Cursor = serde_json::from_str(v1).unwrap();
+        assert_eq!(cursor.consumed.len(), 1);
+        let prefix = Path::from("");
+        let key = SegmentKey::parse(
+            &prefix,
+            &Path::from("segments/v1/2026/12/02/08/pod-1/000000000000002a.tlseg"),
+        )
+        .unwrap();
+        assert!(cursor.is_consumed(
+            "segments/v1/2026/12/02/08/pod-1/000000000000002a.tlseg",
+            &key
+        ));
+        let read = StoreRead {
+            cursor,
+            ..StoreRead::default()
+        };
+        let next = next_cursor(&read, &BTreeMap::new(), 24, &prefix);
+        assert_eq!(next.version, CURSOR_VERSION);
+        assert_eq!(next.consumed.len(), 1, "kept until the watermark passes it");
     }
 }

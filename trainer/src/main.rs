@@ -442,6 +442,7 @@ fn load_and_prepare(
         &location,
         run.as_deref(),
         &config.ingest,
+        now,
     ))?;
     let ingest_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();

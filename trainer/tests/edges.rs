@@ -177,7 +177,7 @@ async fn corrupt_segments_fail_the_run_by_key_unless_skipped() {
         .await
         .expect("put");
 
-    let err = read_store(&store, None, &IngestOptions::default())
+    let err = read_store(&store, None, &IngestOptions::default(), 0)
         .await
         .unwrap_err();
     assert!(err.to_string().contains(bad_path.as_ref()), "{err}");
@@ -190,7 +190,7 @@ async fn corrupt_segments_fail_the_run_by_key_unless_skipped() {
         skip_unreadable_segments: true,
         ..IngestOptions::default()
     };
-    let read = read_store(&store, None, &options).await.expect("read");
+    let read = read_store(&store, None, &options, 0).await.expect("read");
     assert_eq!(read.unreadable_segments.len(), 1);
     assert_eq!(read.unreadable_segments[0].0, bad_path.as_ref());
     assert_eq!(read.new_segments.len(), 2);
@@ -236,7 +236,7 @@ async fn a_segment_with_one_oversized_record_still_yields_the_others() {
         .put(&key.to_path(&store.prefix), PutPayload::from(bytes))
         .await
         .expect("put");
-    let read = read_store(&store, None, &IngestOptions::default())
+    let read = read_store(&store, None, &IngestOptions::default(), 0)
         .await
         .expect("the segment is read");
     assert!(read.unreadable_segments.is_empty());

@@ -306,7 +306,7 @@ async fn records_become_exact_batches_and_drift_is_reported_not_merged() {
     let store = open_store("memory://trainer-pipeline-test").expect("memory store");
     fill(&store, &world).await;
     let config = RunConfig::default();
-    let read = read_store(&store, Some("t"), &config.ingest)
+    let read = read_store(&store, Some("t"), &config.ingest, 0)
         .await
         .expect("read store");
     let segments = world.trace.records.len().div_ceil(7) + world.old.records.len().div_ceil(7);
@@ -388,7 +388,7 @@ async fn records_become_exact_batches_and_drift_is_reported_not_merged() {
     assert!((total - 1.0).abs() < 1e-9, "{total}");
 
     // Over-long sequences are dropped by name.
-    let read = read_store(&store, None, &config.ingest)
+    let read = read_store(&store, None, &config.ingest, 0)
         .await
         .expect("read store");
     let mut short = RunConfig::default();
@@ -487,8 +487,18 @@ async fn prepare_cli_writes_documented_batches_and_advances_the_cursor() {
         cursor.pending_episodes.iter().collect::<Vec<_>>(),
         ["ep-running"]
     );
-    let segments = world.trace.records.len().div_ceil(7) + world.old.records.len().div_ceil(7);
-    assert_eq!(cursor.consumed.len(), segments);
+    // What was read is one span of sequence numbers per sidecar, not a key per segment.
+    assert!(cursor.consumed.is_empty());
+    assert_eq!(cursor.version, ingest::CURSOR_VERSION);
+    for (sidecar, trace) in [("pod-1", &world.trace), ("pod-2", &world.old)] {
+        let first = trace.records[0].sidecar_seq;
+        let last = trace.records.last().expect("records").sidecar_seq;
+        assert_eq!(
+            cursor.sidecars[sidecar].ranges,
+            [[first, last]],
+            "{cursor:?}"
+        );
+    }
 
     // Nothing new: nothing trained, the pending episode is still waited for.
     run_prepare(&store_url, &out, now, &[]);

@@ -1,0 +1,361 @@
+//! The run cursor under random interleavings of uploads (in order, out of order, late
+//! within the lookback, uploaded twice) and runs (successful or failed), for a cursor
+//! started empty and one migrated from version 1: every segment is read exactly once
+//! across the successful runs, and a failed run changes nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use object_store::memory::InMemory;
+use object_store::path::Path;
+use object_store::{ObjectStore, PutPayload};
+use proptest::prelude::*;
+use tapline_proto::keys::{SegmentKey, hour_dir};
+use tapline_proto::segment::encode_segment;
+use tapline_proto::store::StoreLocation;
+use tapline_proto::{Record, RecordKind, Reward};
+use tapline_trainer::ingest::{Cursor, IngestOptions, next_cursor, read_store, write_cursor};
+
+const LOOKBACK: u32 = 3;
+const SIDECARS: [&str; 3] = ["pod-a", "pod-b", "pod-c"];
+const HOUR: i64 = 3600;
+const T0: i64 = 1_798_758_000; // an hour boundary
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A sidecar seals a segment of `count` records (not uploaded yet).
+    Seal { sidecar: usize, count: u64 },
+    /// A sidecar uploads one of its sealed segments, `pick` chosen among them (out of
+    /// order when not the oldest).
+    Upload { sidecar: usize, pick: usize },
+    /// A segment already uploaded is uploaded again (a retry after a lost answer).
+    Reupload { pick: usize },
+    /// Time passes.
+    Tick { hours: i64 },
+    /// A trainer run, failing before its cursor is written or not.
+    Run { fail: bool },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..SIDECARS.len(), 1..6u64).prop_map(|(sidecar, count)| Op::Seal { sidecar, count }),
+        5 => (0..SIDECARS.len(), 0..4usize).prop_map(|(sidecar, pick)| Op::Upload { sidecar, pick }),
+        1 => (0..64usize).prop_map(|pick| Op::Reupload { pick }),
+        2 => (0..3i64).prop_map(|hours| Op::Tick { hours }),
+        3 => any::<bool>().prop_map(|fail| Op::Run { fail }),
+    ]
+}
+
+struct Segment {
+    key: Path,
+    bytes: bytes::Bytes,
+    hour: i64,
+}
+
+struct World {
+    location: StoreLocation,
+    now: i64,
+    next_seq: [u64; 3],
+    sealed: [Vec<Segment>; 3],
+    uploaded: Vec<Segment>,
+    /// Keys that must be read (uploaded within the lookback).
+    expected: BTreeSet<String>,
+    /// Keys read by successful runs, with how many times.
+    read: BTreeMap<String, u32>,
+}
+
+impl World {
+    fn new() -> World {
+        World {
+            location: StoreLocation {
+                store: Arc::new(InMemory::new()),
+                prefix: Path::from("fleet"),
+                display: "memory://fleet".into(),
+            },
+            now: T0,
+            next_seq: [0; 3],
+            sealed: Default::default(),
+            uploaded: Vec::new(),
+            expected: BTreeSet::new(),
+            read: BTreeMap::new(),
+        }
+    }
+
+    fn rel(&self, key: &Path) -> String {
+        key.prefix_match(&self.location.prefix)
+            .unwrap()
+            .map(|p| p.as_ref().to_owned())
+            .collect::<Vec<_>>()
+            .join("/")
+    }
+
+    async fn apply(&mut self, op: &Op) {
+        match *op {
+            Op::Seal { sidecar, count } => {
+                let first = self.next_seq[sidecar];
+                self.next_seq[sidecar] += count;
+                let nanos = (self.now + 7) * 1_000_000_000;
+                let records: Vec<Record> = (first..first + count)
+                    .map(|seq| {
+                        Record::new(
+                            SIDECARS[sidecar],
+                            seq,
+                            nanos,
+                            RecordKind::Reward(Reward {
+                                reward_id: format!("{}-{seq}", SIDECARS[sidecar]),
+                                episode_id: format!("ep-{}", seq % 4),
+                                value: 1.0,
+                                ..Reward::default()
+                            }),
+                        )
+                    })
+                    .collect();
+                let key = SegmentKey::new(SIDECARS[sidecar], first, nanos)
+                    .unwrap()
+                    .to_path(&self.location.prefix);
+                let (bytes, _) = encode_segment(&records, 1).unwrap();
+                self.sealed[sidecar].push(Segment {
+                    key,
+                    bytes: bytes.into(),
+                    hour: self.now - self.now.rem_euclid(HOUR),
+                });
+            }
+            Op::Upload { sidecar, pick } => {
+                if self.sealed[sidecar].is_empty() {
+                    return;
+                }
+                let i = pick % self.sealed[sidecar].len();
+                let segment = self.sealed[sidecar].remove(i);
+                // Later than the lookback allows: the sidecar gives it up (a sidecar
+                // late by more than `lookback_hours` is documented to be missed).
+                let now_hour = self.now - self.now.rem_euclid(HOUR);
+                if segment.hour < now_hour - i64::from(LOOKBACK) * HOUR {
+                    return;
+                }
+                self.put(&segment).await;
+                self.expected.insert(self.rel(&segment.key));
+                self.uploaded.push(segment);
+            }
+            Op::Reupload { pick } => {
+                if self.uploaded.is_empty() {
+                    return;
+                }
+                let i = pick % self.uploaded.len();
+                let (key, bytes) = (self.uploaded[i].key.clone(), self.uploaded[i].bytes.clone());
+                self.location
+                    .store
+                    .put(&key, PutPayload::from(bytes))
+                    .await
+                    .unwrap();
+            }
+            Op::Tick { hours } => self.now += hours * HOUR,
+            Op::Run { fail } => self.run(fail).await,
+        }
+    }
+
+    async fn put(&self, segment: &Segment) {
+        self.location
+            .store
+            .put(&segment.key, PutPayload::from(segment.bytes.clone()))
+            .await
+            .unwrap();
+    }
+
+    async fn cursor_bytes(&self) -> Option<bytes::Bytes> {
+        let path = self
+            .location
+            .prefix
+            .child("trainer")
+            .child("runs")
+            .child("r")
+            .child("cursor.json");
+        match self.location.store.get(&path).await {
+            Ok(got) => Some(got.bytes().await.unwrap()),
+            Err(_) => None,
+        }
+    }
+
+    async fn run(&mut self, fail: bool) {
+        let options = IngestOptions {
+            lookback_hours: LOOKBACK,
+            concurrent_reads: 3,
+            ..IngestOptions::default()
+        };
+        let before = self.cursor_bytes().await;
+        let read = read_store(
+            &self.location,
+            Some("r"),
+            &options,
+            self.now * 1_000_000_000,
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            read.ingested.records,
+            read.record_counts.values().sum::<u64>(),
+            "every record of every new segment is read"
+        );
+        if fail {
+            // The run fails before its cursor: nothing it read counts, nothing changed.
+            assert_eq!(self.cursor_bytes().await, before);
+            return;
+        }
+        let cursor = next_cursor(&read, &BTreeMap::new(), LOOKBACK, &self.location.prefix);
+        write_cursor(&self.location, "r", &cursor).await.unwrap();
+        for key in read.new_segments {
+            *self.read.entry(key).or_default() += 1;
+        }
+        // The cursor stays small: a span or a few per sidecar, never a key per segment.
+        assert!(cursor.consumed.iter().all(|k| k > &cursor.watermark));
+        for progress in cursor.sidecars.values() {
+            assert!(progress.ranges.len() <= 1 + self.uploaded.len());
+        }
+    }
+
+    /// As if a trainer of the version-1 cursor had read every segment uploaded so far.
+    async fn write_v1_cursor(&mut self) {
+        let keys: BTreeSet<String> = self.uploaded.iter().map(|s| self.rel(&s.key)).collect();
+        let newest = self.uploaded.iter().map(|s| s.hour).max();
+        let watermark = newest.map_or_else(String::new, |h| {
+            self.rel(&hour_dir(
+                &self.location.prefix,
+                h - i64::from(LOOKBACK) * HOUR,
+            ))
+        });
+        let consumed: BTreeSet<String> = keys.iter().filter(|k| **k > watermark).cloned().collect();
+        let v1 = serde_json::json!({
+            "version": 1,
+            "watermark": watermark,
+            "consumed": consumed,
+            "pending_segments": [],
+            "pending_episodes": [],
+        });
+        let cursor: Cursor = serde_json::from_value(v1).unwrap();
+        write_cursor(&self.location, "r", &cursor).await.unwrap();
+        for key in keys {
+            *self.read.entry(key).or_default() += 1;
+        }
+    }
+
+    async fn finish(&mut self) {
+        // Everything sealed is uploaded, and a last run reads what is left.
+        for sidecar in 0..SIDECARS.len() {
+            while !self.sealed[sidecar].is_empty() {
+                self.apply(&Op::Upload { sidecar, pick: 0 }).await;
+            }
+        }
+        self.run(false).await;
+        let twice: Vec<_> = self.read.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "read more than once: {twice:?}");
+        let missed: Vec<_> = self
+            .expected
+            .iter()
+            .filter(|k| !self.read.contains_key(*k))
+            .collect();
+        assert!(missed.is_empty(), "never read: {missed:?}");
+    }
+}
+
+fn check(ops: &[Op], migrate_after: Option<usize>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut world = World::new();
+        for (i, op) in ops.iter().enumerate() {
+            if migrate_after == Some(i) {
+                // The old trainer ran until here; the new one takes over its cursor.
+                world.write_v1_cursor().await;
+            }
+            if migrate_after.is_some_and(|m| i < m) && matches!(op, Op::Run { .. }) {
+                continue;
+            }
+            world.apply(op).await;
+        }
+        world.finish().await;
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_segment_is_read_exactly_once(ops in prop::collection::vec(op(), 1..80)) {
+        check(&ops, None);
+    }
+
+    #[test]
+    fn a_migrated_version_1_cursor_reads_every_segment_exactly_once(
+        ops in prop::collection::vec(op(), 1..80),
+        migrate in 0..80usize,
+    ) {
+        let migrate = migrate.min(ops.len().saturating_sub(1));
+        check(&ops, Some(migrate));
+    }
+}
+
+/// The cursor of a sidecar that uploads in order is one span, whatever its number of
+/// segments, and a hole left by an out-of-order upload closes when it arrives.
+#[test]
+fn in_order_uploads_keep_one_span_per_sidecar() {
+    let mut ops = Vec::new();
+    for _ in 0..50 {
+        for sidecar in 0..3 {
+            ops.push(Op::Seal { sidecar, count: 3 });
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut world = World::new();
+        for op in &ops {
+            world.apply(op).await;
+        }
+        // pod-a uploads its second segment last.
+        world
+            .apply(&Op::Upload {
+                sidecar: 0,
+                pick: 1,
+            })
+            .await;
+        let hole_kept = world.sealed[0].remove(0);
+        for sidecar in 0..3 {
+            while !world.sealed[sidecar].is_empty() {
+                world.apply(&Op::Upload { sidecar, pick: 0 }).await;
+            }
+        }
+        world.run(false).await;
+        let cursor: Cursor = serde_json::from_slice(&world.cursor_bytes().await.unwrap()).unwrap();
+        assert_eq!(cursor.sidecars["pod-a"].ranges, [[3, 149]]);
+        assert_eq!(cursor.sidecars["pod-b"].ranges, [[0, 149]]);
+        world.put(&hole_kept).await;
+        world.expected.insert(world.rel(&hole_kept.key));
+        world.uploaded.push(hole_kept);
+        world.run(false).await;
+        let cursor: Cursor = serde_json::from_slice(&world.cursor_bytes().await.unwrap()).unwrap();
+        assert_eq!(cursor.sidecars["pod-a"].ranges, [[0, 149]]);
+        // A sidecar whose clock runs 5 hours ahead: its hour directory is after the
+        // hours listed one by one, and still read.
+        world.now += 5 * HOUR;
+        world
+            .apply(&Op::Seal {
+                sidecar: 2,
+                count: 2,
+            })
+            .await;
+        world.now -= 5 * HOUR;
+        world
+            .apply(&Op::Upload {
+                sidecar: 2,
+                pick: 0,
+            })
+            .await;
+        let before = world.read.len();
+        world.run(false).await;
+        assert_eq!(world.read.len(), before + 1);
+        world.finish().await;
+    });
+}
