@@ -9,7 +9,7 @@
 //! [ingest]
 //! lookback_hours = 24          # how late a segment may be uploaded and still be read
 //! skip_unreadable_segments = false
-//! concurrent_reads = 8
+//! concurrent_reads = 32
 //!
 //! [clean]
 //! grace_period_secs = 3600     # unended episodes older than this are dropped

@@ -112,7 +112,9 @@ pub struct IngestOptions {
     /// Skip segments that fail their checks instead of failing the run (default
     /// false). Skipped segments are listed in the report and not read again.
     pub skip_unreadable_segments: bool,
-    /// Segments fetched at once (default 8).
+    /// Segments fetched and decoded at once (default 32: at S3's ~30 ms per request this
+    /// reads ~28x faster than one at a time, `benches/fleet.rs`; memory holds at most this
+    /// many segment objects, 8 MiB each at the sidecar's largest).
     pub concurrent_reads: usize,
 }
 
@@ -121,7 +123,7 @@ impl Default for IngestOptions {
         IngestOptions {
             lookback_hours: 24,
             skip_unreadable_segments: false,
-            concurrent_reads: 8,
+            concurrent_reads: 32,
         }
     }
 }
