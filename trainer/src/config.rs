@@ -9,7 +9,7 @@
 //! [ingest]
 //! lookback_hours = 24          # how late a segment may be uploaded and still be read
 //! skip_unreadable_segments = false
-//! concurrent_reads = 32
+//! concurrent_reads = 32        # segments fetched and decoded at once (--concurrent-reads)
 //!
 //! [clean]
 //! grace_period_secs = 3600     # unended episodes older than this are dropped
@@ -191,6 +191,11 @@ impl RunConfig {
                 "clean.max_policy_lag needs clean.policy: the policy whose announced version the lag is counted from".into(),
             );
         }
+        if self.ingest.concurrent_reads == 0 {
+            return bad(
+                "ingest.concurrent_reads must be at least 1 (segments fetched at once)".into(),
+            );
+        }
         if self.clean.max_seq_len == 0 {
             return bad("clean.max_seq_len must be at least 1".into());
         }
@@ -291,6 +296,9 @@ mod tests {
         assert_eq!(cfg.schedule.loss_agg_mode, LossAggMode::EpisodeMean);
         let err = cfg.validate().unwrap_err();
         assert!(err.to_string().contains("micro_batch_tokens"), "{err}");
+        let cfg: RunConfig = toml::from_str("[ingest]\nconcurrent_reads = 0").unwrap();
+        let err = cfg.validate().unwrap_err();
+        assert!(err.to_string().contains("ingest.concurrent_reads"), "{err}");
     }
 
     #[test]

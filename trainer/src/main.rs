@@ -135,6 +135,10 @@ struct PrepareArgs {
     /// Ignore recorded token ids and tokenize every call from text.
     #[arg(long)]
     ignore_recorded_ids: bool,
+    /// Segments fetched and decoded at once ([ingest] concurrent_reads, default 32: suited
+    /// to S3's latency; memory in flight is this many segment objects).
+    #[arg(long)]
+    concurrent_reads: Option<usize>,
     /// Treat this Unix time (seconds) as now, for the grace period.
     #[arg(long)]
     now_unix_secs: Option<i64>,
@@ -419,6 +423,9 @@ fn load_and_prepare(
     }
     if args.ignore_recorded_ids {
         config.tokenize.use_recorded_ids = false;
+    }
+    if let Some(n) = args.concurrent_reads {
+        config.ingest.concurrent_reads = n;
     }
     adjust(&mut config);
     config.validate()?;
