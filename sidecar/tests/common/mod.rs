@@ -270,7 +270,9 @@ pub async fn records(store: &str) -> Vec<Record> {
 
 /// Waits until the store holds at least `n` LLM call records; returns them.
 pub async fn calls(store: &str, n: usize) -> Vec<LlmCall> {
-    for _ in 0..200 {
+    // 30 s: segments are sealed and uploaded by background threads, which a loaded
+    // machine (CI with other builds) can delay by seconds.
+    for _ in 0..1200 {
         let calls: Vec<LlmCall> = records(store)
             .await
             .into_iter()
