@@ -14,6 +14,10 @@ fn main() {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=TAPLINE_GIT_COMMIT={commit}");
+    println!(
+        "cargo:rustc-env=TAPLINE_GIT_COMMIT_SHORT={}",
+        commit.get(..12).unwrap_or(&commit)
+    );
     println!("cargo:rerun-if-changed=../.git/HEAD");
     println!("cargo:rerun-if-changed=../.git/refs/heads");
     let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();

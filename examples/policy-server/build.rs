@@ -2,9 +2,21 @@
 //! directory, so the binary and its tests run without `LD_LIBRARY_PATH`, and
 //! `--no-as-needed -ltorch`, without which the linker drops `libtorch_cuda` (nothing
 //! references it by symbol) and CUDA is silently unavailable. `cargo:rustc-link-arg`
-//! only reaches the package that prints it, hence this copy.
+//! only reaches the package that prints it, hence this copy. Also the git commit, for
+//! `--version`.
 
 fn main() {
+    // The commit, for `--version`.
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=TAPLINE_GIT_COMMIT_SHORT={commit}");
+    println!("cargo:rerun-if-changed=../../.git/HEAD");
+    println!("cargo:rerun-if-changed=../../.git/refs/heads");
     let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
     if os == "linux" {
         if let Some(lib) = std::env::var_os("DEP_TCH_LIBTORCH_LIB") {

@@ -11,7 +11,7 @@ use tapline_sidecar::server::Sidecar;
 #[derive(Debug, Parser)]
 #[command(
     name = "tapline-sidecar",
-    version,
+    version = VERSION,
     about = "Records an agent harness's LLM traffic for RL training.",
     args_conflicts_with_subcommands = true
 )]
@@ -41,6 +41,41 @@ struct ServeArgs {
     /// Seconds to keep uploading queued records on SIGTERM/SIGINT.
     #[arg(long, env = "TAPLINE_FLUSH_SECS", default_value_t = 30.0)]
     flush_secs: f64,
+    /// Log lines as text or as one JSON object per line.
+    #[arg(long, env = "TAPLINE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+/// `--version`: the crate version and the commit it was built from.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("TAPLINE_GIT_COMMIT_SHORT"),
+    ")"
+);
+
+/// How log lines are written (`--log-format`, `TAPLINE_LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (`timestamp`, `level`, `target`, `message` and the event's
+    /// fields), for log collectors.
+    Json,
+}
+
+/// Logs to stderr at `TAPLINE_LOG` (default `info`) in `format`.
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -84,13 +119,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(args.log_format);
     let file = match &args.config {
         Some(path) => RawConfig::from_toml_file(path)?,
         None => RawConfig::default(),

@@ -1,6 +1,6 @@
-//! Counters of the sidecar, served as Prometheus text at `/metrics`.
+//! Counters of the sidecar, served at `/metrics` in the OpenMetrics text format that
+//! Prometheus scrapes, encoded by the `prometheus-client` crate ([`Exposition`]).
 
-use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -107,47 +107,44 @@ impl Metrics {
             .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition of every metric.
-    pub fn render(&self, open_episodes: usize) -> String {
-        let mut out = String::with_capacity(4096);
+    /// Adds every metric to `out`.
+    pub fn expose(&self, open_episodes: usize, out: &mut Exposition) {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let _ = writeln!(
-            out,
-            "# HELP tapline_requests_total LLM API requests proxied, by API."
+        out.counter(
+            "tapline_requests_total",
+            "LLM API requests proxied, by API.",
+            APIS.iter()
+                .map(|api| {
+                    let name = api
+                        .as_str_name()
+                        .trim_start_matches("API_")
+                        .to_ascii_lowercase();
+                    (vec![("api", name)], get(&self.requests[*api as usize]))
+                })
+                .collect(),
         );
-        let _ = writeln!(out, "# TYPE tapline_requests_total counter");
-        for api in APIS {
-            let name = api
-                .as_str_name()
-                .trim_start_matches("API_")
-                .to_ascii_lowercase();
-            let _ = writeln!(
-                out,
-                "tapline_requests_total{{api=\"{name}\"}} {}",
-                get(&self.requests[api as usize])
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP tapline_calls_total Proxied calls by outcome (errors are every outcome but ok)."
+        out.counter(
+            "tapline_calls_total",
+            "Proxied calls by outcome (errors are every outcome but ok).",
+            OUTCOMES
+                .iter()
+                .map(|outcome| {
+                    let name = outcome
+                        .as_str_name()
+                        .trim_start_matches("OUTCOME_")
+                        .to_ascii_lowercase();
+                    (
+                        vec![("outcome", name)],
+                        get(&self.outcomes[*outcome as usize]),
+                    )
+                })
+                .collect(),
         );
-        let _ = writeln!(out, "# TYPE tapline_calls_total counter");
-        for outcome in OUTCOMES {
-            let name = outcome
-                .as_str_name()
-                .trim_start_matches("OUTCOME_")
-                .to_ascii_lowercase();
-            let _ = writeln!(
-                out,
-                "tapline_calls_total{{outcome=\"{name}\"}} {}",
-                get(&self.outcomes[outcome as usize])
-            );
-        }
         let errors: u64 = OUTCOMES[1..]
             .iter()
             .map(|o| get(&self.outcomes[*o as usize]))
             .sum();
-        let counters: [(&str, &str, u64); 20] = [
+        let counters: [(&'static str, &str, u64); 20] = [
             (
                 "tapline_errors_total",
                 "Proxied calls that did not end ok.",
@@ -250,10 +247,7 @@ impl Metrics {
             ),
         ];
         for (name, help, value) in counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
-            );
+            out.counter(name, help, vec![(vec![], value)]);
         }
         let oldest = get(&self.oldest_unacked_nanos);
         let age = if oldest == 0 {
@@ -261,62 +255,209 @@ impl Metrics {
         } else {
             (crate::clock::now_nanos().max(0) as u64).saturating_sub(oldest) as f64 / 1e9
         };
-        let gauges: [(&str, &str, String); 5] = [
+        let gauges: [(&'static str, &str, Gauge); 5] = [
             (
                 "tapline_connections_open",
                 "Client connections being served.",
-                get(&self.connections_open).to_string(),
+                Gauge::Int(get(&self.connections_open)),
             ),
             (
                 "tapline_open_episodes",
                 "Episodes created and not yet ended.",
-                open_episodes.to_string(),
+                Gauge::Int(open_episodes as u64),
             ),
             (
                 "tapline_spool_bytes",
                 "Bytes of spool files on disk.",
-                get(&self.spool_bytes).to_string(),
+                Gauge::Int(get(&self.spool_bytes)),
             ),
             (
                 "tapline_spool_records",
                 "Records in the spool not yet acknowledged by the store.",
-                get(&self.spool_records).to_string(),
+                Gauge::Int(get(&self.spool_records)),
             ),
             (
                 "tapline_oldest_unacked_age_seconds",
                 "Age of the oldest record not yet acknowledged by the store.",
-                format!("{age:.3}"),
+                Gauge::Float(age),
             ),
         ];
         for (name, help, value) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-            );
+            out.gauge(name, help, vec![(vec![], value)]);
         }
-        let _ = writeln!(
-            out,
-            "# HELP tapline_added_latency_seconds Time the sidecar adds before the response head reaches the client."
+        // Stored cumulative (each observation counts in every bucket above it).
+        let cumulative: Vec<u64> = self.latency_buckets.iter().map(get).collect();
+        out.histogram(
+            "tapline_added_latency_seconds",
+            "Time the sidecar adds before the response head reaches the client.",
+            &LATENCY_BUCKETS,
+            &cumulative,
+            get(&self.latency_count),
+            get(&self.latency_sum_nanos) as f64 / 1e9,
         );
-        let _ = writeln!(out, "# TYPE tapline_added_latency_seconds histogram");
-        for (bound, bucket) in LATENCY_BUCKETS.iter().zip(&self.latency_buckets) {
-            let _ = writeln!(
-                out,
-                "tapline_added_latency_seconds_bucket{{le=\"{bound}\"}} {}",
-                get(bucket)
-            );
+    }
+}
+
+/// A gauge's value.
+#[derive(Debug, Clone, Copy)]
+pub enum Gauge {
+    /// A count.
+    Int(u64),
+    /// A measure.
+    Float(f64),
+}
+
+/// Label pairs of one sample.
+pub type Labels = Vec<(&'static str, String)>;
+
+#[derive(Debug)]
+enum Samples {
+    Counter(Vec<(Labels, u64)>),
+    Gauge(Vec<(Labels, Gauge)>),
+    Histogram {
+        /// `(upper bound, observations in this bucket only)`, `f64::MAX` for `+Inf`.
+        buckets: Vec<(f64, u64)>,
+        count: u64,
+        sum: f64,
+    },
+}
+
+#[derive(Debug)]
+struct Family {
+    name: &'static str,
+    help: String,
+    samples: Samples,
+}
+
+/// The metrics of one scrape, encoded by `prometheus-client` in the OpenMetrics text
+/// format (what Prometheus scrapes; `# HELP`, `# TYPE`, `_total` on counter samples,
+/// histogram buckets, `# EOF`). The values live in plain atomics that the hot path
+/// updates; a scrape reads them into one of these.
+#[derive(Debug, Default)]
+pub struct Exposition(Vec<Family>);
+
+/// The media type of [`Exposition::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+impl Exposition {
+    /// A counter family; `name` ends in `_total`, as its samples are named.
+    pub fn counter(&mut self, name: &'static str, help: &str, samples: Vec<(Labels, u64)>) {
+        self.0.push(Family {
+            name: name.strip_suffix("_total").unwrap_or(name),
+            help: help.to_owned(),
+            samples: Samples::Counter(samples),
+        });
+    }
+
+    /// A gauge family.
+    pub fn gauge(&mut self, name: &'static str, help: &str, samples: Vec<(Labels, Gauge)>) {
+        self.0.push(Family {
+            name,
+            help: help.to_owned(),
+            samples: Samples::Gauge(samples),
+        });
+    }
+
+    /// A histogram from cumulative bucket counts (one per bound; `count` is `+Inf`).
+    pub fn histogram(
+        &mut self,
+        name: &'static str,
+        help: &str,
+        bounds: &[f64],
+        cumulative: &[u64],
+        count: u64,
+        sum: f64,
+    ) {
+        let mut buckets = Vec::with_capacity(bounds.len() + 1);
+        let mut below = 0;
+        for (bound, c) in bounds.iter().zip(cumulative) {
+            buckets.push((*bound, c.saturating_sub(below)));
+            below = below.max(*c);
         }
-        let count = get(&self.latency_count);
-        let _ = writeln!(
-            out,
-            "tapline_added_latency_seconds_bucket{{le=\"+Inf\"}} {count}"
-        );
-        let _ = writeln!(
-            out,
-            "tapline_added_latency_seconds_sum {}",
-            get(&self.latency_sum_nanos) as f64 / 1e9
-        );
-        let _ = writeln!(out, "tapline_added_latency_seconds_count {count}");
+        buckets.push((f64::MAX, count.saturating_sub(below)));
+        self.0.push(Family {
+            name,
+            help: help.to_owned(),
+            samples: Samples::Histogram {
+                buckets,
+                count,
+                sum,
+            },
+        });
+    }
+
+    /// The OpenMetrics text.
+    pub fn encode(self) -> String {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register_collector(Box::new(self));
+        let mut out = String::with_capacity(8192);
+        // Writing to a String cannot fail, and every name and label here is valid.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
+    }
+}
+
+impl prometheus_client::collector::Collector for Exposition {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::NoLabelSet;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::exemplar::Exemplar;
+        for family in &self.0 {
+            match &family.samples {
+                Samples::Counter(samples) => {
+                    let mut metric = encoder.encode_descriptor(
+                        family.name,
+                        &family.help,
+                        None,
+                        MetricType::Counter,
+                    )?;
+                    for (labels, value) in samples {
+                        let none = None::<&Exemplar<NoLabelSet, u64>>;
+                        if labels.is_empty() {
+                            metric.encode_counter(value, none)?;
+                        } else {
+                            metric.encode_family(labels)?.encode_counter(value, none)?;
+                        }
+                    }
+                }
+                Samples::Gauge(samples) => {
+                    let mut metric = encoder.encode_descriptor(
+                        family.name,
+                        &family.help,
+                        None,
+                        MetricType::Gauge,
+                    )?;
+                    for (labels, value) in samples {
+                        match (labels.is_empty(), value) {
+                            (true, Gauge::Int(v)) => metric.encode_gauge(v)?,
+                            (true, Gauge::Float(v)) => metric.encode_gauge(v)?,
+                            (false, Gauge::Int(v)) => {
+                                metric.encode_family(labels)?.encode_gauge(v)?
+                            }
+                            (false, Gauge::Float(v)) => {
+                                metric.encode_family(labels)?.encode_gauge(v)?
+                            }
+                        }
+                    }
+                }
+                Samples::Histogram {
+                    buckets,
+                    count,
+                    sum,
+                } => {
+                    let mut metric = encoder.encode_descriptor(
+                        family.name,
+                        &family.help,
+                        None,
+                        MetricType::Histogram,
+                    )?;
+                    metric.encode_histogram::<NoLabelSet>(*sum, *count, buckets, None)?;
+                }
+            }
+        }
+        Ok(())
     }
 }

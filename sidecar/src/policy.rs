@@ -155,23 +155,28 @@ impl PolicyFollower {
         true
     }
 
-    /// The policy's lines of the Prometheus text at `/metrics`.
-    pub fn render_metrics(&self) -> String {
-        let name = &self.config.name;
-        let version = self.current().map_or(0, |c| c.version);
-        format!(
-            "# HELP tapline_policy_version Version of the followed policy that calls for its alias go to (0: none announced yet).\n\
-             # TYPE tapline_policy_version gauge\n\
-             tapline_policy_version{{policy=\"{name}\"}} {version}\n\
-             # HELP tapline_policy_rewrites_total Calls sent to the followed policy version instead of the alias.\n\
-             # TYPE tapline_policy_rewrites_total counter\n\
-             tapline_policy_rewrites_total{{policy=\"{name}\"}} {}\n\
-             # HELP tapline_policy_refused_too_large_total Requests refused (413) because their body was over the capture cap, so their model could not be read.\n\
-             # TYPE tapline_policy_refused_too_large_total counter\n\
-             tapline_policy_refused_too_large_total{{policy=\"{name}\"}} {}\n",
-            self.rewrites.load(Ordering::Relaxed),
-            self.refused_too_large.load(Ordering::Relaxed)
-        )
+    /// Adds the policy's metrics to a `/metrics` scrape.
+    pub fn expose(&self, out: &mut crate::metrics::Exposition) {
+        let name = self.config.name.clone();
+        let labels = || vec![("policy", name.clone())];
+        out.gauge(
+            "tapline_policy_version",
+            "Version of the followed policy that calls for its alias go to (0: none announced yet).",
+            vec![(
+                labels(),
+                crate::metrics::Gauge::Int(self.current().map_or(0, |c| c.version)),
+            )],
+        );
+        out.counter(
+            "tapline_policy_rewrites_total",
+            "Calls sent to the followed policy version instead of the alias.",
+            vec![(labels(), self.rewrites.load(Ordering::Relaxed))],
+        );
+        out.counter(
+            "tapline_policy_refused_too_large_total",
+            "Requests refused (413) because their body was over the capture cap, so their model could not be read.",
+            vec![(labels(), self.refused_too_large.load(Ordering::Relaxed))],
+        );
     }
 
     /// What `/tapline/v1/health` says about the policy.

@@ -51,14 +51,15 @@ pub async fn handle(
 ) -> Result<Response<RespBody>, Infallible> {
     let path = req.uri().path();
     if path == "/metrics" && req.method() == http::Method::GET {
-        let mut text = state.metrics.render(state.episodes.open());
+        let mut exposition = crate::metrics::Exposition::default();
+        state.metrics.expose(state.episodes.open(), &mut exposition);
         if let Some(policy) = &state.policy {
-            text.push_str(&policy.render_metrics());
+            policy.expose(&mut exposition);
         }
-        let mut resp = Response::new(full_body(text));
+        let mut resp = Response::new(full_body(exposition.encode()));
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
-            header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            header::HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
         );
         return Ok(resp);
     }

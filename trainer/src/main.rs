@@ -32,12 +32,53 @@ use tapline_trainer::{Model, ModelOptions, ingest, output, tokenize};
 #[derive(Parser)]
 #[command(
     name = "tapline-trainer",
-    version,
+    version = VERSION,
     about = "Turns captured records into training batches."
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as text or as one JSON object per line.
+    #[arg(
+        long,
+        global = true,
+        env = "TAPLINE_LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Text
+    )]
+    log_format: LogFormat,
+}
+/// `--version`: the crate version and the commit it was built from.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("TAPLINE_GIT_COMMIT_SHORT"),
+    ")"
+);
+
+/// How log lines are written (`--log-format`, `TAPLINE_LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (`timestamp`, `level`, `target`, `message` and the event's
+    /// fields), for log collectors.
+    Json,
+}
+
+/// Logs to stderr at `TAPLINE_LOG` (default `warn`) in `format`.
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
 }
 
 #[derive(Subcommand)]
@@ -316,14 +357,9 @@ fn parse_name<T: serde::de::DeserializeOwned>(flag: &str, name: &str) -> anyhow:
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match cli.command {
         Command::Prepare(args) => prepare(args),
         Command::Train(args) => train(args),
         Command::Score(args) => score(&args),

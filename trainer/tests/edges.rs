@@ -248,3 +248,32 @@ async fn a_segment_with_one_oversized_record_still_yields_the_others() {
     assert_eq!(skipped.index, 1);
     assert!(skipped.bytes > 64 << 20);
 }
+
+#[test]
+fn version_names_the_commit() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tapline-trainer"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let commit = text
+        .trim()
+        .strip_prefix(&format!(
+            "tapline-trainer {} (commit ",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .and_then(|r| r.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("{text:?}"));
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{text:?}"
+    );
+    // The manifest's commit is the same one, in full.
+    assert!(
+        commit == "unknown" || tapline_trainer::nn::manifest::GIT_COMMIT.starts_with(commit),
+        "{commit} vs {}",
+        tapline_trainer::nn::manifest::GIT_COMMIT
+    );
+}

@@ -288,7 +288,53 @@ pub fn ensure_smollm2(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
 
 /// Installs the tapline Python SDK from `sdk/python` into the venv (the harnesses and the
 /// Python tests import it).
-pub fn install_sdk(root: &Path, python: &Path) -> anyhow::Result<()> {
+/// Builds the Python SDK's wheel (`tapline-sdk`, import name `tapline`) into
+/// `.cache/wheels` and installs it into the test environment; returns the wheel. The
+/// wheel's version must be the Cargo workspace's.
+pub fn install_sdk(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
+    let wheel = build_sdk_wheel(root, python)?;
+    pip_install_wheel(python, &wheel)?;
+    Ok(wheel)
+}
+
+fn build_sdk_wheel(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
+    let out = root.join(".cache/wheels");
+    if out.exists() {
+        std::fs::remove_dir_all(&out).with_context(|| format!("clearing {}", out.display()))?;
+    }
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--wheel-dir",
+        ])
+        .arg(&out)
+        .arg(root.join("sdk/python"))
+        .status()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !status.success() {
+        bail!("building the tapline-sdk wheel (pip wheel sdk/python) exited with {status}");
+    }
+    let version = env!("CARGO_PKG_VERSION");
+    let name = format!("tapline_sdk-{version}-py3-none-any.whl");
+    let wheel = out.join(&name);
+    if !wheel.is_file() {
+        let found: Vec<String> = std::fs::read_dir(&out)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        bail!(
+            "pip wheel sdk/python wrote {found:?}, not {name}: the SDK's version (`__version__` in sdk/python/src/tapline/__init__.py) must be the workspace's ({version})"
+        );
+    }
+    Ok(wheel)
+}
+
+fn pip_install_wheel(python: &Path, wheel: &Path) -> anyhow::Result<()> {
     let status = Command::new(python)
         .args([
             "-m",
@@ -299,11 +345,48 @@ pub fn install_sdk(root: &Path, python: &Path) -> anyhow::Result<()> {
             "--no-deps",
             "--force-reinstall",
         ])
-        .arg(root.join("sdk/python"))
+        .arg(wheel)
         .status()
         .with_context(|| format!("cannot run {}", python.display()))?;
     if !status.success() {
-        bail!("installing the tapline Python SDK into the test environment exited with {status}");
+        bail!("installing {} exited with {status}", wheel.display());
+    }
+    Ok(())
+}
+
+/// Installs `wheel` into a new, empty virtual environment and checks what a user of it
+/// gets: the distribution `tapline-sdk` at the workspace's version, importable as
+/// `tapline`, with nothing else installed.
+pub fn check_wheel_in_clean_venv(root: &Path, base: &Path, wheel: &Path) -> anyhow::Result<()> {
+    let venv = root.join(".cache/clean-venv");
+    // A venv made from the test venv's interpreter sees none of the test venv's packages.
+    let status = Command::new(base)
+        .args(["-m", "venv", "--clear"])
+        .arg(&venv)
+        .status()
+        .with_context(|| format!("cannot run {}", base.display()))?;
+    if !status.success() {
+        bail!(
+            "creating the clean venv {} exited with {status}",
+            venv.display()
+        );
+    }
+    let python = venv.join("bin/python");
+    pip_install_wheel(&python, wheel)?;
+    let check = format!(
+        "import importlib.metadata as m, tapline\n\
+         assert m.version('tapline-sdk') == tapline.__version__ == '{}', (m.version('tapline-sdk'), tapline.__version__)\n\
+         assert m.requires('tapline-sdk') in (None, []), m.requires('tapline-sdk')\n\
+         c = tapline.Client('http://127.0.0.1:9', fail_open=True)\n\
+         print('tapline-sdk', tapline.__version__, 'imports in a clean venv')",
+        env!("CARGO_PKG_VERSION")
+    );
+    let status = Command::new(&python)
+        .args(["-c", &check])
+        .status()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    if !status.success() {
+        bail!("the tapline-sdk wheel in a clean venv failed its check ({status})");
     }
     Ok(())
 }

@@ -23,7 +23,9 @@ use anyhow::{Context, bail};
 mod assets;
 mod demo;
 mod fuzz;
-use assets::{ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env};
+use assets::{
+    check_wheel_in_clean_venv, ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env,
+};
 
 const USAGE: &str = "usage: cargo xtask <command>
 
@@ -93,11 +95,13 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
             .env("TAPLINE_SMOLLM2", &smollm2))
     })?;
     step(
-        "pytest (sidecar with the official clients, Python SDK)",
+        "pytest (sidecar with the official clients, Python SDK from its wheel)",
         || {
             // `cargo test` built the sidecar binary; the Python tests drive that binary.
             let bin = root.join("target/debug/tapline-sidecar");
-            install_sdk(root, &python)?;
+            // The SDK as users get it: its wheel, which is also checked in a clean venv.
+            let wheel = install_sdk(root, &python)?;
+            check_wheel_in_clean_venv(root, &python, &wheel)?;
             // pytest exits 5 when it collected no test: a failure here too.
             run(Command::new(&python)
                 .args([

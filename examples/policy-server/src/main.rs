@@ -29,7 +29,7 @@ use clap::Parser;
 #[derive(Debug, Parser)]
 #[command(
     name = "tapline-policy-server",
-    version,
+    version = VERSION,
     about = "OpenAI-compatible chat completions over the tapline trainer's model code, for local loops and tests."
 )]
 struct Cli {
@@ -68,18 +68,46 @@ struct Cli {
     /// Seconds to let open requests finish on SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10.0)]
     drain_secs: f64,
+    /// Log lines as text or as one JSON object per line.
+    #[arg(long, env = "TAPLINE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+/// `--version`: the crate version and the commit it was built from.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("TAPLINE_GIT_COMMIT_SHORT"),
+    ")"
+);
+
+/// How log lines are written (`--log-format`, `TAPLINE_LOG_FORMAT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (`timestamp`, `level`, `target`, `message` and the event's
+    /// fields), for log collectors.
+    Json,
+}
+
+/// Logs to stderr at `TAPLINE_LOG` (default `info`) in `format`.
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TAPLINE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    init_logging(cli.log_format);
     if cli.max_tokens_default == 0 {
         anyhow::bail!("--max-tokens-default must be at least 1");
     }

@@ -796,3 +796,26 @@ async fn an_adapter_directory_is_served_on_its_base_model() {
         "the adapter changes nothing"
     );
 }
+
+#[test]
+fn version_names_the_commit() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tapline-policy-server"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let commit = text
+        .trim()
+        .strip_prefix(&format!(
+            "tapline-policy-server {} (commit ",
+            env!("CARGO_PKG_VERSION")
+        ))
+        .and_then(|r| r.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("{text:?}"));
+    assert!(
+        commit == "unknown"
+            || (commit.len() == 12 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{text:?}"
+    );
+}
