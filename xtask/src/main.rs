@@ -6,6 +6,8 @@
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
 //! - `cargo xtask fuzz [--secs N]`: builds the cargo-fuzz targets in `sidecar/fuzz` and
 //!   runs each for N seconds (`cargo xtask test` runs each for 5).
+//! - `cargo xtask docs [--check]`: `docs/reference.md`, every flag and `run.toml` key,
+//!   generated from the code; `cargo xtask test` checks it is up to date.
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
 //!   training steps of 0.5B, 1.7B and 8B Qwen-shaped models (random weights) with bf16 on
 //!   CUDA, full fine-tune and LoRA (LoRA only for 8B, whose full update does not fit one
@@ -22,6 +24,7 @@ use anyhow::{Context, bail};
 
 mod assets;
 mod demo;
+mod docs;
 mod fuzz;
 use assets::{
     check_wheel_in_clean_venv, ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env,
@@ -35,7 +38,9 @@ commands:
              --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
   fuzz       build the fuzz targets and run each (flags: --secs N, default 60;
-             --target NAME; --sanitizer address)";
+             --target NAME; --sanitizer address)
+  docs       write docs/reference.md (every flag and run.toml key) from the code
+             (--check: fail when the committed file differs)";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -49,6 +54,22 @@ fn main() -> anyhow::Result<()> {
             let run = fuzz::parse(&args[1..])?;
             let assets = step("test assets", || ensure_assets(&root))?;
             fuzz::fuzz(&root, &assets, &run)
+        }
+        Some("docs") => {
+            let check = args[1..].iter().any(|a| a == "--check");
+            let python = step("python test environment", || ensure_venv(&root))?;
+            step("build the binaries", || {
+                run(torch_env(&mut Command::new("cargo"), &python).args([
+                    "build",
+                    "-p",
+                    "tapline-sidecar",
+                    "-p",
+                    "tapline-trainer",
+                    "-p",
+                    "tapline-policy-server",
+                ]))
+            })?;
+            docs::docs(&root, &root.join("target/debug"), check)
         }
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
@@ -129,6 +150,10 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
             )
         },
     )?;
+    step("docs/reference.md is what the code says", || {
+        // `cargo test` built the binaries.
+        docs::docs(root, &root.join("target/debug"), true)
+    })?;
     step("closed loop, short (`cargo xtask demo --smoke`)", || {
         demo::demo(root, &["--smoke".to_owned()])
     })?;
