@@ -22,7 +22,9 @@
 //! `pending_episodes` (episodes that had not ended yet, within the grace period).
 //!
 //! What was read is kept per sidecar, not per segment: a sidecar's spool numbers its
-//! records 0, 1, 2, … for ever (`tapline_proto::keys`), a segment holds the records
+//! records in increasing order for ever (from the clock when it starts with an empty
+//! spool; `tapline_proto::keys`), so sidecar ids must be unique (the default, the host
+//! name, is: two spools under one id could number records alike), a segment holds the records
 //! `first_seq ..= first_seq + count - 1`, and `ranges` are those spans of the segments
 //! read, merged. A segment was read iff its `first_seq` falls in a range of its sidecar
 //! (spans of one sidecar never overlap). Segments arrive in order almost always, so a
@@ -36,7 +38,8 @@
 //! After a successful run the cursor is rewritten: every segment read joins its
 //! sidecar's ranges; segments holding records of episodes still pending become
 //! `pending_segments`; the watermark moves to `lookback_hours` before the newest
-//! segment's hour, and a sidecar whose newest segment read is before the watermark is
+//! segment's hour (a segment dated after the run's `now`, from a sidecar whose clock
+//! runs ahead, counts as dated now), and a sidecar whose newest segment read is before the watermark is
 //! forgotten (any segment of it that was read sorts before the watermark and is never
 //! listed again). The lookback lets a sidecar that uploads late (after a restart or an
 //! outage) still be read, as long as it is late by less than `lookback_hours`. The
@@ -355,6 +358,10 @@ pub struct StoreRead {
     pub record_counts: BTreeMap<String, u64>,
     /// `list` calls made.
     pub list_calls: u64,
+    /// The time the run took for now ([`read_store`]'s `now_unix_nanos`): segments dated
+    /// after it (a sidecar whose clock runs ahead) move the watermark as if dated now.
+    /// `None`: no such cap.
+    pub now_unix_nanos: Option<i64>,
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -439,6 +446,7 @@ pub async fn read_store(
 
     let mut read = StoreRead {
         cursor: cursor.clone(),
+        now_unix_nanos: Some(now_unix_nanos),
         ..StoreRead::default()
     };
     let metas = list_after(location, &cursor.watermark, now_unix_nanos, concurrency).await?;
@@ -661,6 +669,11 @@ pub fn next_cursor(
             progress.newest_hour = hour;
         }
     }
+    // A sidecar whose clock runs ahead must not drag the watermark past the segments
+    // the others are still uploading: hours after now count as now.
+    let latest_believable = read
+        .now_unix_nanos
+        .map_or(i64::MAX, |n| n.div_euclid(1_000_000_000));
     let newest_hour = sidecars
         .values()
         .filter_map(|p| parse_hour_dir(prefix, &absolute(prefix, &p.newest_hour)).ok())
@@ -670,6 +683,7 @@ pub fn next_cursor(
                 .filter_map(|k| SegmentKey::parse(prefix, &absolute(prefix, k)).ok())
                 .map(|k| k.hour_unix_secs),
         )
+        .map(|hour| hour.min(latest_believable))
         .max();
     let mut watermark = read.cursor.watermark.clone();
     if let Some(hour) = newest_hour {
