@@ -20,11 +20,11 @@
 //!    from leaving an older version announced: whoever writes last checks afterwards, and
 //!    a mark made after that check belongs to a publisher whose own loop runs later. A
 //!    version overtaken before it was announced is "superseded" and never announced.
-//! 5. Live versions up to N − K (`--keep-loaded K`, default 2) are unloaded, so calls in
-//!    flight on the previous version finish on it; so is a superseded N when the newer
-//!    version is K or more above it. Versions claimed but not live are left to their
-//!    publisher (it may be loading them now) unless the claim is older than
-//!    [`ABANDONED_AFTER`] (a publisher that died mid-way).
+//! 5. Live versions below the K newest live ones (`--keep-loaded K`, default 2) are
+//!    unloaded, so calls in flight on the previous version finish on it; a superseded N
+//!    is among them when K newer versions are live. Versions claimed but not live are
+//!    left to their publisher (it may be loading them now) unless the claim is older
+//!    than [`ABANDONED_AFTER`] (a publisher that died mid-way).
 //!
 //! Full checkpoints are not published live: vLLM loads new full weights on a restart, and
 //! SGLang's `POST /update_weights_from_disk {"model_path"}` pauses serving while it loads;
@@ -322,41 +322,43 @@ pub async fn publish(
     let now_announced = converge(location, name).await?;
     let superseded_by = (now_announced > version).then_some(now_announced);
 
-    // Versions older than the kept ones go, once calls on the previous one had time to
-    // finish: live ones, and claims whose publisher died mid-way.
+    // Live versions below the `keep_loaded` newest live ones go (counted in live
+    // versions, not version numbers: failed publishes burn numbers), once calls on the
+    // previous one had time to finish; the last few such are unloaded again each time
+    // (so one a failed request left loaded goes too). Claims whose publisher died
+    // mid-way go as well; claims still being loaded by another publisher never do.
     let mut unloaded = Vec::new();
     let servers: Vec<&str> = options.servers.iter().map(String::as_str).collect();
     let versions = list_versions(location, name).await?;
-    let newest = versions
-        .live
-        .last()
-        .copied()
-        .unwrap_or(version)
-        .max(version);
-    if newest > options.keep_loaded {
-        let newest_old = newest - options.keep_loaded;
-        let abandoned_before = chrono::Utc::now() - ABANDONED_AFTER;
-        for (old, claimed_at) in versions
-            .claims
-            .iter()
-            .copied()
-            .filter(|(v, _)| *v <= newest_old && *v + UNLOAD_WINDOW > newest_old)
-        {
-            let is_live = versions.live.binary_search(&old).is_ok();
-            if !is_live && claimed_at > abandoned_before {
-                continue;
-            }
-            let old_name = policy::served_model(name, old);
-            unload_from(
-                &http,
-                &servers,
-                options.server_kind,
-                &old_name,
-                is_live && (old == newest_old || old == version),
-            )
-            .await;
-            unloaded.push(old_name);
-        }
+    let keep = usize::try_from(options.keep_loaded).unwrap_or(usize::MAX);
+    let old_live = &versions.live[..versions.live.len().saturating_sub(keep)];
+    let newest_old = old_live.last().copied();
+    for &old in old_live.iter().rev().take(UNLOAD_WINDOW).rev() {
+        let old_name = policy::served_model(name, old);
+        unload_from(
+            &http,
+            &servers,
+            options.server_kind,
+            &old_name,
+            Some(old) == newest_old || old == version,
+        )
+        .await;
+        unloaded.push(old_name);
+    }
+    let abandoned_before = chrono::Utc::now() - ABANDONED_AFTER;
+    let newest_live = versions.live.last().copied().unwrap_or(version);
+    let abandoned: Vec<u64> = versions
+        .claims
+        .iter()
+        .filter(|(v, at)| {
+            *v < newest_live && *at <= abandoned_before && versions.live.binary_search(v).is_err()
+        })
+        .map(|(v, _)| *v)
+        .collect();
+    for &old in abandoned.iter().rev().take(UNLOAD_WINDOW).rev() {
+        let old_name = policy::served_model(name, old);
+        unload_from(&http, &servers, options.server_kind, &old_name, false).await;
+        unloaded.push(old_name);
     }
     Ok(Published {
         announcement,
@@ -369,7 +371,10 @@ pub async fn publish(
 /// returns the version it announces.
 async fn converge(location: &StoreLocation, name: &str) -> anyhow::Result<u64> {
     let path = policy::announcement_path(&location.prefix, name);
-    loop {
+    // Each write is followed by a check; publishers racing for longer than this are
+    // not a thing a trainer fleet does, and a live mark that announces another version
+    // than its name says (written by hand) must not spin forever.
+    for _ in 0..64 {
         let highest = list_versions(location, name)
             .await?
             .live
@@ -389,21 +394,29 @@ async fn converge(location: &StoreLocation, name: &str) -> anyhow::Result<u64> {
             .bytes()
             .await
             .with_context(|| format!("reading {mark} in {location}"))?;
+        let announced = Announcement::parse(&bytes, name).map_err(anyhow::Error::msg)?;
+        if announced.version != highest {
+            bail!(
+                "{mark} announces version {} instead of {highest}; remove it or fix it",
+                announced.version
+            );
+        }
         location
             .store
             .put(&path, bytes.into())
             .await
             .with_context(|| format!("writing {path} in {location}"))?;
     }
+    bail!("{path} kept changing while it was being brought to the highest live version")
 }
 
 /// How long a claimed version may stay not live before it is taken for abandoned (its
 /// publisher died between the claim and the announcement) and unloaded with the others.
 pub const ABANDONED_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(1);
 
-/// How many versions below the newest unloaded one are unloaded again on each publish
+/// How many old live versions (and abandoned claims) are unloaded again on each publish
 /// (so a version that a failed request left loaded goes too).
-const UNLOAD_WINDOW: u64 = 8;
+const UNLOAD_WINDOW: usize = 8;
 
 /// The versions of a policy in the store.
 struct Versions {

@@ -341,3 +341,28 @@ async fn a_publisher_overtaken_while_loading_never_announces_an_older_version() 
         3
     );
 }
+
+/// `keep_loaded` counts live versions, not version numbers: publishes that failed (and
+/// burned numbers) do not make the previous live version go early.
+#[tokio::test]
+async fn failed_publishes_do_not_unload_the_previous_live_version_early() {
+    let tmp = tempfile::tempdir().unwrap();
+    let from = adapter_dir(tmp.path());
+    let store = open_store("memory://publish-gaps").unwrap();
+    let (good, bad) = (Scripted::start(200).await, Scripted::start(500).await);
+    let ok = options(&from, &[&good], ServerKind::Vllm);
+    let failing = options(&from, &[&good, &bad], ServerKind::Vllm);
+    assert_eq!(publish(&store, &ok).await.unwrap().announcement.version, 1);
+    for _ in 0..3 {
+        publish(&store, &failing).await.unwrap_err();
+    }
+    let fifth = publish(&store, &ok).await.unwrap();
+    assert_eq!(fifth.announcement.version, 5);
+    assert!(
+        fifth.unloaded.is_empty(),
+        "version 1 is the previous live one: {:?}",
+        fifth.unloaded
+    );
+    let sixth = publish(&store, &ok).await.unwrap();
+    assert_eq!(sixth.unloaded, ["coder@v1"]);
+}
