@@ -219,8 +219,8 @@ struct TrainArgs {
     /// Train continuously: wait for --min-episodes new ended episodes, train on them
     /// into `--out/NNNNNN` (each run continuing from the one before, optimizer state
     /// included), publish when the config has `[publish]`, repeat. SIGTERM or Ctrl-C
-    /// ends the current step, writes its checkpoint, manifest and cursor (episodes not
-    /// reached stay pending), publishes, and exits; a second signal exits at once.
+    /// while waiting exits; during a run it stops after the current step and drops the
+    /// run (trained again on the next start); a second signal exits at once.
     #[arg(long)]
     follow: bool,
     /// With --follow: episodes ready to train on before a run starts [default: the
@@ -691,7 +691,7 @@ fn watch_signals() -> anyhow::Result<()> {
                 _ = tokio::signal::ctrl_c() => {}
             }
             eprintln!(
-                "train: stop requested; finishing the current step and its bookkeeping (signal again to exit at once)"
+                "train: stop requested; a run in progress stops after its current step and is dropped (trained again on the next start; signal again to exit at once)"
             );
             STOP.store(true, std::sync::atomic::Ordering::SeqCst);
             tokio::select! {
@@ -772,9 +772,9 @@ impl Finished {
 /// `train --follow`: runs into `--out/000001`, `--out/000002`, ... each continuing from
 /// the one before.
 ///
-/// A stop signal ends the run in progress after its current step with its bookkeeping
-/// done (the episodes it did not reach stay pending in the cursor), then the follower.
-/// What a stop at any other point leaves is picked up by the next start: a run directory
+/// A stop signal ends the run in progress after its current step and drops it (nothing
+/// written, the cursor not advanced: the next start trains that batch again), then the
+/// follower. What a stop at any other point leaves is picked up by the next start: a run directory
 /// without a manifest is removed and trained again (the cursor was not advanced); a run
 /// whose manifest was written but whose cursor was not (`cursor-commit.json` says both)
 /// gets its cursor written; a run not published yet (no `published.json`) is published,
@@ -934,7 +934,8 @@ fn finish_cursor_commit(
 
 /// One training run, not yet published. With `min_episodes` (--follow), returns `None`
 /// without training when fewer episodes than that (or than a mini-batch, for `Some(0)`)
-/// are ready. A stop signal ends it after the current step, with its bookkeeping done.
+/// are ready, and `None` when a stop signal came before the last step: nothing is
+/// written (the output directory is removed) and the cursor is not advanced.
 fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<Option<Finished>> {
     let started = Instant::now();
     let started_unix_secs = std::time::SystemTime::now()
@@ -1059,6 +1060,16 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    if stop_requested() {
+        // Stopped while loading: nothing trained yet, nothing kept.
+        println!(
+            "train: stopped before training; {} is dropped",
+            out.display()
+        );
+        std::fs::remove_dir_all(&out)
+            .with_context(|| format!("remove the unfinished {}", out.display()))?;
+        return Ok(None);
+    }
     let gpu_memory = nn::manifest::GpuMemorySampler::start(device);
     let mut done = 0;
     let result = nn::train::train(
@@ -1075,45 +1086,20 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     )?;
     bar.finish_and_clear();
     let gpu_peak_memory_bytes_sampled = gpu_memory.finish();
-    // Stopped by a signal before the last step: the steps taken are kept (checkpoint,
-    // manifest, publish) and the episodes of the mini-batches not trained on stay
-    // pending in the cursor, so the next run trains them; nothing is lost or repeated.
-    let mut stopped_early = None;
     if result.steps.len() < steps {
-        let batches = &loaded.prepared.mini_batches;
-        let episodes_of =
-            |mbs: &[tapline_trainer::batch::MiniBatch]| -> std::collections::BTreeSet<String> {
-                mbs.iter()
-                    .flat_map(|mb| &mb.micro_batches)
-                    .flat_map(|m| &m.sequences)
-                    .map(|s| s.episode_id.clone())
-                    .collect()
-            };
-        let done = result.steps.len().min(batches.len());
-        let trained = episodes_of(&batches[..done]);
-        let left: Vec<String> = episodes_of(&batches[done..])
-            .into_iter()
-            .filter(|e| !trained.contains(e))
-            .collect();
-        for episode in &left {
-            let segments = loaded
-                .prepared
-                .episode_segments
-                .get(episode)
-                .cloned()
-                .unwrap_or_default();
-            loaded.prepared.pending.insert(episode.clone(), segments);
-        }
+        // Stopped by a signal: a partial run is neither kept nor published, and its data
+        // stays unconsumed, so the next start trains the whole batch from the run before.
+        // (Keeping the steps taken and leaving only the episodes not reached pending
+        // would retrain those with other advantages: a group split by the stop comes
+        // back smaller, and a member left alone is dropped as zero-variance.)
         println!(
-            "train: stopped after {} of {steps} step(s); {} episode(s) not trained on stay pending for the next run",
+            "train: stopped after {} of {steps} step(s); {} is dropped and the cursor not advanced",
             result.steps.len(),
-            left.len()
+            out.display()
         );
-        stopped_early = Some(serde_json::json!({
-            "steps": result.steps.len(),
-            "of": steps,
-            "episodes_left": left.len(),
-        }));
+        std::fs::remove_dir_all(&out)
+            .with_context(|| format!("remove the unfinished {}", out.display()))?;
+        return Ok(None);
     }
 
     let ckpt_started = Instant::now();
@@ -1207,7 +1193,6 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             },
         },
         checkpoint: checkpoint_info,
-        stopped_early,
     };
     if let Some(run) = &loaded.run {
         let commit = CursorCommit {

@@ -26,9 +26,6 @@ pub struct Prepared {
     pub report: Report,
     /// Episodes not ended yet, with the segments holding their records.
     pub pending: BTreeMap<String, BTreeSet<String>>,
-    /// Every episode read, with the segments holding its records (a run stopped before
-    /// its last step leaves the episodes it did not train on pending with these).
-    pub episode_segments: BTreeMap<String, BTreeSet<String>>,
 }
 
 struct Ready {
@@ -60,6 +57,7 @@ pub fn prepare(
     let segments_of: BTreeMap<String, BTreeSet<String>> = ingested
         .episodes
         .iter()
+        .filter(|e| e.end.is_none())
         .map(|e| (e.episode_id.clone(), e.segments.clone()))
         .collect();
 
@@ -285,7 +283,6 @@ pub fn prepare(
         mini_batches,
         report,
         pending,
-        episode_segments: segments_of,
     }
 }
 

@@ -570,10 +570,9 @@ fn wait_for(path: std::path::PathBuf) {
 }
 
 /// `train --follow` with `[publish]`: each batch is trained from the run before and
-/// published; a failed publish is retried; SIGTERM in the middle of a run keeps the
-/// steps taken and leaves the rest of the batch pending; a restart after a stop between
-/// the manifest and the cursor (and before the publish) finishes both, and every
-/// episode is trained on exactly once.
+/// published; a failed publish is retried; SIGTERM in the middle of a run drops it
+/// without touching the cursor; a restart after a stop between the manifest and the
+/// cursor (and before the publish) finishes both and does not train that batch again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     let model = common::smollm2();
@@ -645,25 +644,17 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     f.terminate();
 
     // A batch of two mini-batches (written while no follower runs, so that it is seen
-    // whole); SIGTERM before its last step ends the run after the current one, with its
-    // bookkeeping done and the episodes it did not reach left pending.
+    // whole); SIGTERM before its last step drops the run.
     trace_of("sc-third", "c-").write(&store, 9).await;
     trace_of("sc-third-b", "d-").write(&store, 9).await;
     let f = follower();
     f.wait_for_line("step(s) from global step", 1);
     let (stdout, _) = f.terminate();
     assert!(
-        stdout.contains(
-            "train: stopped after 1 of 2 step(s); 8 episode(s) not trained on stay pending"
-        ),
+        stdout.contains("train: stopped after 1 of 2 step(s)"),
         "{stdout}"
     );
-    let third = read_json(&base.join("000003/manifest.json"));
-    assert_eq!(
-        third["stopped_early"],
-        json!({"steps": 1, "of": 2, "episodes_left": 8})
-    );
-    assert_eq!(published_from("000003").0, 4);
+    assert!(!base.join("000003").exists());
 
     let first = read_json(&base.join("000001/manifest.json"));
     let second = read_json(&base.join("000002/manifest.json"));
@@ -694,43 +685,35 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
         first["steps"].as_array().unwrap().len() as u64
     );
 
-    // As if the third run had stopped right after its manifest: its cursor not written,
-    // its adapter not published.
-    let commit = read_json(&base.join("000003/cursor-commit.json"));
+    // As if the second run had stopped right after its manifest: its cursor not
+    // written, its adapter not published.
+    let commit = read_json(&base.join("000002/cursor-commit.json"));
     let before: tapline_trainer::ingest::Cursor =
         serde_json::from_value(commit["before"].clone()).unwrap();
     tapline_trainer::ingest::write_cursor(&store, commit["run"].as_str().unwrap(), &before)
         .await
         .unwrap();
-    std::fs::remove_file(base.join("000003/published.json")).unwrap();
+    std::fs::remove_file(base.join("000002/published.json")).unwrap();
 
-    // The restart writes that cursor and publishes that run, then trains the 8 episodes
-    // left pending, and only those.
     let f = follower();
-    wait_for(base.join("000004/published.json"));
+    wait_for(base.join("000003/published.json"));
     let (stdout, _) = f.terminate();
     assert!(stdout.contains("its cursor not written"), "{stdout}");
     assert_eq!(
-        published_from("000003"),
-        (5, base.join("000003").display().to_string())
+        published_from("000002"),
+        (4, base.join("000002").display().to_string())
     );
-    assert_eq!(published_from("000004").0, 6);
-    assert_eq!(announced_now().await.version, 6);
-    let fourth = read_json(&base.join("000004/manifest.json"));
-    assert_eq!(
-        fourth["report"]["input"]["episodes"], 8,
-        "{}",
-        fourth["report"]
-    );
+    assert_eq!(published_from("000003").0, 5);
+    assert_eq!(announced_now().await.version, 5);
+    let third = read_json(&base.join("000003/manifest.json"));
     assert!(
-        keys(&fourth).iter().all(|k| k.contains("sc-third")),
-        "{:?}",
-        keys(&fourth)
+        keys(&third).iter().all(|k| k.contains("sc-third")) && keys(&third).len() >= 2,
+        "the second batch is not trained again: {:?}",
+        keys(&third)
     );
-    assert_eq!(fourth["steps"].as_array().unwrap().len(), 1);
-    assert!(fourth.get("stopped_early").is_none());
-    assert!(!base.join("000005").join("manifest.json").exists());
-    // Every version the server loaded: 1 failed, then 2..=6 in order.
+    assert_eq!(third["steps"].as_array().unwrap().len(), 2);
+    assert!(!base.join("000004").join("manifest.json").exists());
+    // Every version the server loaded: 1 failed, then 2..=5 in order.
     let loads: Vec<String> = seen
         .lock()
         .unwrap()
@@ -740,9 +723,7 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
         .collect();
     assert_eq!(
         loads,
-        [
-            "coder@v1", "coder@v2", "coder@v3", "coder@v4", "coder@v5", "coder@v6"
-        ]
+        ["coder@v1", "coder@v2", "coder@v3", "coder@v4", "coder@v5"]
     );
 
     // The cursor holds every batch: a prepare of the same run finds nothing new.

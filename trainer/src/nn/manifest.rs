@@ -113,11 +113,6 @@ pub struct RunManifest {
     pub compute: Compute,
     /// The checkpoint written.
     pub checkpoint: Value,
-    /// Set when a stop signal ended the run before its last step: `{"steps", "of",
-    /// "episodes_left"}`; the episodes not trained on stay pending in the cursor, so the
-    /// next run trains them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub stopped_early: Option<Value>,
 }
 
 impl RunManifest {
