@@ -97,6 +97,18 @@ async fn health(client: &TestClient, addr: std::net::SocketAddr) -> Value {
     serde_json::from_slice(&body).unwrap()
 }
 
+/// Waits until the sidecar's health says it follows `version`.
+async fn wait_for_version(client: &TestClient, addr: std::net::SocketAddr, version: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while health(client, addr).await["policy"]["version"] != version {
+        assert!(
+            Instant::now() < deadline,
+            "the announcement was not followed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test]
 async fn calls_follow_the_announced_version_and_the_harness_keeps_its_model_name() {
     let upstream = Upstream::start(echo).await;
@@ -116,14 +128,7 @@ async fn calls_follow_the_announced_version_and_the_harness_keeps_its_model_name
     assert!(String::from_utf8_lossy(&body).contains(r#""model":"policy""#));
 
     announce(&store, 1).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while health(&client, addr).await["policy"]["version"] != 1 {
-        assert!(
-            Instant::now() < deadline,
-            "the announcement was not followed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_version(&client, addr, 1).await;
 
     // Every API shape, JSON and streamed: the upstream gets `coder@v1` and nothing else
     // changed; the harness gets exactly the upstream's bytes with its own name back.
@@ -290,14 +295,7 @@ async fn a_body_over_the_capture_cap_is_refused_while_a_version_is_followed() {
     let forwarded = upstream.count();
 
     announce(&store, 1).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while health(&client, addr).await["policy"]["version"] != 1 {
-        assert!(
-            Instant::now() < deadline,
-            "the announcement was not followed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_version(&client, addr, 1).await;
     let (status, _, body) = send(&client, post(addr, "/v1/completions", big)).await;
     assert_eq!(status, 413);
     let body = String::from_utf8_lossy(&body);

@@ -290,12 +290,8 @@ pub fn demo(root: &Path, args: &[String]) -> anyhow::Result<()> {
     result
 }
 
-fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let python = ensure_venv(root)?;
-    let model = ensure_smollm2(root, &python)?;
-    install_sdk(root, &python)?;
-    eprintln!("demo: building the sidecar, the trainer and the policy server");
+/// Debug builds of the three binaries, into `target/debug`.
+pub fn build_binaries(python: &Path) -> anyhow::Result<()> {
     crate::run(torch_env(
         Command::new("cargo").args([
             "build",
@@ -306,8 +302,17 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             "-p",
             "tapline-policy-server",
         ]),
-        &python,
-    ))?;
+        python,
+    ))
+}
+
+fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let python = ensure_venv(root)?;
+    let model = ensure_smollm2(root, &python)?;
+    install_sdk(root, &python)?;
+    eprintln!("demo: building the sidecar, the trainer and the policy server");
+    build_binaries(&python)?;
     let bin = |name: &str| root.join("target/debug").join(name);
 
     let dir = root

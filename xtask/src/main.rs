@@ -58,17 +58,7 @@ fn main() -> anyhow::Result<()> {
         Some("docs") => {
             let check = args[1..].iter().any(|a| a == "--check");
             let python = step("python test environment", || ensure_venv(&root))?;
-            step("build the binaries", || {
-                run(torch_env(&mut Command::new("cargo"), &python).args([
-                    "build",
-                    "-p",
-                    "tapline-sidecar",
-                    "-p",
-                    "tapline-trainer",
-                    "-p",
-                    "tapline-policy-server",
-                ]))
-            })?;
+            step("build the binaries", || demo::build_binaries(&python))?;
             docs::docs(&root, &root.join("target/debug"), check)
         }
         Some("-h" | "--help" | "help") | None => {
