@@ -1,0 +1,2 @@
+// See ../context.h: declarations only.
+#pragma once
