@@ -416,6 +416,30 @@ fn absolute(prefix: &Path, relative: &str) -> Path {
 /// for a week) is listed in one pass after the watermark.
 const MAX_HOURS_LISTED: i64 = 24 * 8;
 
+/// What one reader read, for others to read exactly the same (the ranks of a
+/// distributed run: rank 0 lists, the others read its list, so a segment landing between
+/// two listings cannot make their batches differ).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadPlan {
+    /// The cursor the read started from.
+    pub cursor: Cursor,
+    /// The new segments read (relative keys).
+    pub segments: Vec<String>,
+    /// The time the read took as now.
+    pub now_unix_nanos: i64,
+}
+
+impl StoreRead {
+    /// The plan that reads exactly what this read read.
+    pub fn plan(&self, now_unix_nanos: i64) -> ReadPlan {
+        ReadPlan {
+            cursor: self.cursor.clone(),
+            segments: self.new_segments.clone(),
+            now_unix_nanos,
+        }
+    }
+}
+
 /// Reads the run's cursor (`None` reads from the first segment) and every segment it
 /// says is new or pending, and joins the records. `now_unix_nanos` bounds the hour
 /// directories listed one by one (later ones are listed in one pass).
@@ -424,6 +448,18 @@ pub async fn read_store(
     run: Option<&str>,
     options: &IngestOptions,
     now_unix_nanos: i64,
+) -> Result<StoreRead, IngestError> {
+    read_store_planned(location, run, options, now_unix_nanos, None).await
+}
+
+/// [`read_store`], or with `plan` the cursor and new segments another reader read (no
+/// listing; the pending segments come from the plan's cursor).
+pub async fn read_store_planned(
+    location: &StoreLocation,
+    run: Option<&str>,
+    options: &IngestOptions,
+    now_unix_nanos: i64,
+    plan: Option<&ReadPlan>,
 ) -> Result<StoreRead, IngestError> {
     let store = &location.store;
     let prefix = &location.prefix;
@@ -435,12 +471,13 @@ pub async fn read_store(
             source,
         }
     };
-    let cursor = match run {
-        Some(run) => {
+    let cursor = match (run, plan) {
+        (_, Some(plan)) => plan.cursor.clone(),
+        (Some(run), None) => {
             validate_run_name(run)?;
             read_cursor(location, run).await?
         }
-        None => Cursor::default(),
+        (None, None) => Cursor::default(),
     };
     let concurrency = options.concurrent_reads.max(1);
 
@@ -449,9 +486,19 @@ pub async fn read_store(
         now_unix_nanos: Some(now_unix_nanos),
         ..StoreRead::default()
     };
-    let metas = list_after(location, &cursor.watermark, now_unix_nanos, concurrency).await?;
+    let metas = match plan {
+        Some(_) => (Vec::new(), 0),
+        None => list_after(location, &cursor.watermark, now_unix_nanos, concurrency).await?,
+    };
     read.list_calls = metas.1;
-    let mut new_paths = Vec::new();
+    let mut new_paths: Vec<(String, Path)> = plan
+        .map(|p| {
+            p.segments
+                .iter()
+                .map(|k| (k.clone(), absolute(prefix, k)))
+                .collect()
+        })
+        .unwrap_or_default();
     for meta in metas.0 {
         let Ok(key) = SegmentKey::parse(prefix, &meta.location) else {
             read.foreign_objects += 1;

@@ -230,6 +230,11 @@ struct TrainArgs {
     /// With --follow: seconds between two looks at the store while waiting.
     #[arg(long, default_value_t = 10.0, requires = "follow")]
     poll_secs: f64,
+    /// Distributed runs (RANK / WORLD_SIZE set by torchrun or a PyTorchJob): seconds
+    /// every collective may take, the rendezvous included; when a rank dies or stalls,
+    /// the others exit non-zero after at most this long, writing nothing.
+    #[arg(long, env = "TAPLINE_DIST_TIMEOUT_SECS", default_value_t = 600)]
+    dist_timeout_secs: u64,
 }
 
 #[derive(Args)]
@@ -429,11 +434,21 @@ struct Loaded {
     now: i64,
     ingest_seconds: f64,
     prepare_seconds: f64,
+    /// The policy version announced when the run read the store.
+    latest_policy_version: Option<u64>,
+}
+
+/// What rank 0 of a distributed run read, for the other ranks to read the same.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct RankPlan {
+    read: ingest::ReadPlan,
+    latest_policy_version: Option<u64>,
 }
 
 fn load_and_prepare(
     args: &PrepareArgs,
     adjust: impl FnOnce(&mut RunConfig),
+    plan: Option<&RankPlan>,
 ) -> anyhow::Result<Loaded> {
     let (model, mut config) = args.model.load()?;
     if let Some(run) = &args.run {
@@ -465,9 +480,10 @@ fn load_and_prepare(
     }
     adjust(&mut config);
     config.validate()?;
-    let now = match args.now_unix_secs {
-        Some(secs) => secs.saturating_mul(1_000_000_000),
-        None => std::time::SystemTime::now()
+    let now = match (plan, args.now_unix_secs) {
+        (Some(plan), _) => plan.read.now_unix_nanos,
+        (None, Some(secs)) => secs.saturating_mul(1_000_000_000),
+        (None, None) => std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
             .unwrap_or(0),
@@ -481,21 +497,25 @@ fn load_and_prepare(
         .context("start the async runtime")?;
     let run = (!args.no_cursor).then(|| config.run.clone());
     let started = Instant::now();
-    let mut read = runtime.block_on(ingest::read_store(
+    let mut read = runtime.block_on(ingest::read_store_planned(
         &location,
         run.as_deref(),
         &config.ingest,
         now,
+        plan.map(|p| &p.read),
     ))?;
     let ingest_seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let mut ingested = std::mem::take(&mut read.ingested);
-    if let Some(policy) = &config.clean.policy {
+    if let Some(plan) = plan {
+        ingested.latest_policy_version = plan.latest_policy_version;
+    } else if let Some(policy) = &config.clean.policy {
         // The version announced now: the lag of every call is counted from it.
         ingested.latest_policy_version = runtime
             .block_on(tapline_trainer::publish::announced(&location, policy))?
             .map(|a| a.version);
     }
+    let latest_policy_version = ingested.latest_policy_version;
     let mut prepared = tapline_trainer::prepare(ingested, &model, &config, now);
     let prepare_seconds = started.elapsed().as_secs_f64();
     let r = &mut prepared.report.input;
@@ -525,6 +545,7 @@ fn load_and_prepare(
         now,
         ingest_seconds,
         prepare_seconds,
+        latest_policy_version,
     })
 }
 
@@ -562,7 +583,7 @@ impl Loaded {
 }
 
 fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
-    let loaded = load_and_prepare(&args, |_| {})?;
+    let loaded = load_and_prepare(&args, |_| {}, None)?;
     let provenance = output::Provenance {
         store: loaded.location.display.clone(),
         model_dir: loaded.model.dir().display().to_string(),
@@ -709,7 +730,12 @@ fn watch_signals() -> anyhow::Result<()> {
 }
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let launch = tapline_c10d::Launch::from_env()?.filter(|l| l.world_size > 1);
     if args.follow {
+        anyhow::ensure!(
+            launch.is_none(),
+            "--follow runs in one process: run distributed training as one job per batch (a Kubernetes Job or CronJob starting torchrun, see docs/deploy.md), or unset WORLD_SIZE"
+        );
         return follow(args);
     }
     if let Some(done) = train_once(&args, None)? {
@@ -723,6 +749,78 @@ struct Finished {
     out: PathBuf,
     location: tapline_proto::store::StoreLocation,
     publish: Option<tapline_trainer::publish::PublishConfig>,
+}
+
+/// The optimizer of a run: whole on this process, or sharded across the ranks.
+enum Opt {
+    Whole(nn::optim::AdamW),
+    Sharded(nn::dist::ShardedAdamW),
+}
+
+impl Opt {
+    fn as_dyn(&mut self) -> &mut dyn nn::dist::Optimizer {
+        match self {
+            Opt::Whole(o) => o,
+            Opt::Sharded(o) => o,
+        }
+    }
+
+    fn load_state(&mut self, dir: &std::path::Path) -> Result<nn::optim::StateInfo, nn::optim::StateError> {
+        match self {
+            Opt::Whole(o) => o.load_state(dir),
+            Opt::Sharded(o) => o.load_state(dir),
+        }
+    }
+
+    /// Writes the state into `dir` (rank 0 of a group; every rank must call it with a
+    /// sharded state). `Some` where it was written.
+    fn save_state(
+        &mut self,
+        dir: &std::path::Path,
+        group: Option<&tapline_c10d::Group>,
+    ) -> anyhow::Result<Option<nn::optim::StateInfo>> {
+        Ok(match (self, group) {
+            (Opt::Sharded(o), Some(g)) => o.save_state(dir, g)?,
+            (Opt::Whole(o), g) if g.is_none_or(|g| g.rank() == 0) => Some(o.save_state(dir)?),
+            _ => None,
+        })
+    }
+}
+
+/// This host's name (for the per-rank compute of a distributed run).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Fails unless every rank prepared the same mini-batches (same episodes, sequences and
+/// tokens, in the same order): a rank that read other data would train on another
+/// gradient.
+fn check_same_batches(
+    group: &tapline_c10d::Group,
+    mini_batches: &[tapline_trainer::batch::MiniBatch],
+) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for mb in mini_batches {
+        for micro in &mb.micro_batches {
+            for s in &micro.sequences {
+                text.push_str(&format!("{}:{:?};", s.episode_id, s.sequence.token_ids));
+            }
+            text.push('|');
+        }
+        text.push('\n');
+    }
+    let digest = ingest::sha256_hex(text.as_bytes());
+    let all = group.exchange("batches", digest.as_bytes())?;
+    if let Some(r) = all.iter().position(|d| d != digest.as_bytes()) {
+        anyhow::bail!(
+            "rank {r} prepared other mini-batches than rank {} (digest {} vs {digest}): the ranks must run the same trainer and configuration on the same store",
+            group.rank(),
+            String::from_utf8_lossy(&all[r])
+        );
+    }
+    Ok(())
 }
 
 /// Written into a run directory once its adapter was published (`train --follow`
@@ -942,9 +1040,48 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let out = args.prepare.out.clone();
-    // Refuse a finished output directory before any work.
-    checkpoint::prepare_dir(&out)?;
-    let device = nn::parse_device(&args.device)?;
+    let launch = tapline_c10d::Launch::from_env()?.filter(|l| l.world_size > 1);
+    let rank = launch.as_ref().map_or(0, |l| l.rank);
+    // Refuse a finished output directory before any work (rank 0 alone writes it).
+    if rank == 0 {
+        checkpoint::prepare_dir(&out)?;
+    }
+    let device = match (&launch, args.device.as_str()) {
+        // One GPU per local rank, as torchrun lays them out.
+        (Some(l), "cuda") => nn::parse_device(&format!("cuda:{}", l.local_rank))?,
+        _ => nn::parse_device(&args.device)?,
+    };
+    let group = match &launch {
+        None => None,
+        Some(l) => {
+            let backend = if device.is_cuda() {
+                tapline_c10d::Backend::Nccl
+            } else {
+                tapline_c10d::Backend::Gloo
+            };
+            let timeout = std::time::Duration::from_secs(args.dist_timeout_secs.max(1));
+            let g = tapline_c10d::Group::connect(l, backend, timeout)?;
+            println!(
+                "train: rank {} of {} (local rank {}), {} on {:?}, store {}:{}",
+                l.rank,
+                l.world_size,
+                l.local_rank,
+                backend.name(),
+                device,
+                l.master_addr,
+                l.master_port
+            );
+            Some(g)
+        }
+    };
+    // Rank 0 reads the store; the others read exactly what it read.
+    let plan = match &group {
+        Some(g) if g.rank() != 0 => Some(
+            serde_json::from_slice::<RankPlan>(&g.store_get("plan")?)
+                .context("rank 0's read plan")?,
+        ),
+        _ => None,
+    };
     let mut loaded = load_and_prepare(&args.prepare, |c| {
         if let Some(lr) = args.lr {
             c.train.lr = lr;
@@ -958,7 +1095,17 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         if let Some(d) = &args.dtype {
             c.train.dtype = d.clone();
         }
-    })?;
+    }, plan.as_ref())?;
+    if let Some(g) = &group {
+        if g.rank() == 0 {
+            let plan = RankPlan {
+                read: loaded.read.plan(loaded.now),
+                latest_policy_version: loaded.latest_policy_version,
+            };
+            g.store_set("plan", &serde_json::to_vec(&plan)?)?;
+        }
+        check_same_batches(g, &loaded.prepared.mini_batches)?;
+    }
     if let Some(min) = min_episodes {
         let min = if min == 0 {
             loaded.config.schedule.mini_batch_episodes.max(1)
@@ -982,7 +1129,9 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         }
         loaded.config.train.stop = Some(&STOP);
     }
-    print!("{}", loaded.prepared.report.table());
+    if rank == 0 {
+        print!("{}", loaded.prepared.report.table());
+    }
     loaded.config.train.latest_policy_version = loaded.prepared.report.policy.latest_version;
     let options = &loaded.config.train;
     let kind = nn::parse_dtype(&options.dtype, device)?;
@@ -996,7 +1145,18 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         adapter_from,
         state_dir,
     } = load_start(args, options, device, kind)?;
-    let mut optimizer = options.optimizer(&mut model);
+    let mut optimizer = match &group {
+        Some(g) if options.shard_optimizer => {
+            model.set_requires_grad(true);
+            Opt::Sharded(nn::dist::ShardedAdamW::new(
+                model.trainable_parameters(),
+                options.adamw(),
+                g.rank(),
+                g.size(),
+            ))
+        }
+        _ => Opt::Whole(options.optimizer(&mut model)),
+    };
     let resumed = match &state_dir {
         Some(dir) if !args.fresh_optimizer && nn::optim::has_state(dir) => {
             let info = optimizer
@@ -1072,16 +1232,19 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     }
     let gpu_memory = nn::manifest::GpuMemorySampler::start(device);
     let mut done = 0;
-    let result = nn::train::train(
+    let result = nn::train::train_with(
         &mut model,
-        &mut optimizer,
+        optimizer.as_dyn(),
         &loaded.prepared.mini_batches,
         options,
         first_step,
+        group.as_ref(),
         |m| {
             done += 1;
-            bar.suspend(|| println!("{}", m.line(done, steps)));
-            bar.inc(1);
+            if rank == 0 {
+                bar.suspend(|| println!("{}", m.line(done, steps)));
+                bar.inc(1);
+            }
         },
     )?;
     bar.finish_and_clear();
@@ -1097,9 +1260,75 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             result.steps.len(),
             out.display()
         );
-        std::fs::remove_dir_all(&out)
-            .with_context(|| format!("remove the unfinished {}", out.display()))?;
+        if rank == 0 {
+            std::fs::remove_dir_all(&out)
+                .with_context(|| format!("remove the unfinished {}", out.display()))?;
+        }
         return Ok(None);
+    }
+    // Distributed: the optimizer state is gathered (every rank takes part), each rank's
+    // compute is shared, and every rank reaches the barrier having finished its steps;
+    // only then does rank 0 write the checkpoint, the manifest and the cursor.
+    let mut saved_state = None;
+    let mut distributed = None;
+    if let Some(g) = &group {
+        let ckpt_started = Instant::now();
+        saved_state = optimizer
+            .save_state(&out, Some(g))
+            .with_context(|| format!("save the optimizer state in {}", out.display()))?;
+        let state_seconds = ckpt_started.elapsed().as_secs_f64();
+        let wall = started.elapsed().as_secs_f64();
+        let mine = serde_json::json!({
+            "rank": g.rank(),
+            "local_rank": launch.as_ref().map_or(0, |l| l.local_rank),
+            "host": hostname(),
+            "device_name": nn::manifest::device_name(device),
+            "wall_clock_seconds": wall,
+            "gpu_seconds": if device.is_cuda() { wall } else { 0.0 },
+            "cpu_seconds": nn::manifest::cpu_seconds(),
+            "peak_rss_bytes": nn::manifest::peak_rss_bytes(),
+            "gpu_peak_memory_bytes_sampled": gpu_peak_memory_bytes_sampled,
+            "optimizer_state_bytes": optimizer.as_dyn().state_bytes(),
+            "optimizer_save_seconds": state_seconds,
+            "micro_batches": loaded
+                .prepared
+                .mini_batches
+                .iter()
+                .map(|mb| {
+                    let tokens: Vec<u64> = mb
+                        .micro_batches
+                        .iter()
+                        .map(|m| m.sequences.iter().map(|s| s.sequence.len() as u64).sum())
+                        .collect();
+                    nn::dist::assign(&tokens, g.size())[g.rank()].len()
+                })
+                .sum::<usize>() * options.epochs as usize,
+            "comm": result.comm,
+        });
+        let ranks: Vec<serde_json::Value> = g
+            .exchange("compute", &serde_json::to_vec(&mine)?)?
+            .iter()
+            .map(|v| serde_json::from_slice(v).unwrap_or_default())
+            .collect();
+        g.barrier()?;
+        if g.rank() != 0 {
+            println!(
+                "train: rank {} of {} finished its steps; rank 0 writes the checkpoint",
+                g.rank(),
+                g.size()
+            );
+            return Ok(None);
+        }
+        let sum = |key: &str| ranks.iter().filter_map(|r| r[key].as_f64()).sum::<f64>();
+        distributed = Some(serde_json::json!({
+            "world_size": g.size(),
+            "backend": g.backend().name(),
+            "shard_optimizer": matches!(optimizer, Opt::Sharded(_)),
+            "timeout_secs": args.dist_timeout_secs,
+            "gpu_seconds": sum("gpu_seconds"),
+            "cpu_seconds": sum("cpu_seconds"),
+            "ranks": ranks,
+        }));
     }
 
     let ckpt_started = Instant::now();
@@ -1125,9 +1354,12 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             })
         }
     };
-    let state = optimizer
-        .save_state(&out)
-        .with_context(|| format!("save the optimizer state in {}", out.display()))?;
+    let state = match saved_state {
+        Some(state) => state,
+        None => optimizer
+            .save_state(&out, None)?
+            .with_context(|| format!("save the optimizer state in {}", out.display()))?,
+    };
     let mut checkpoint_info = checkpoint_info;
     checkpoint_info["optimizer_sha256"] = serde_json::json!(state.tensors_sha256);
     checkpoint_info["optimizer_step"] = serde_json::json!(state.step);
@@ -1183,6 +1415,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             cpu_seconds: nn::manifest::cpu_seconds(),
             peak_rss_bytes: nn::manifest::peak_rss_bytes(),
             gpu_peak_memory_bytes_sampled,
+            optimizer_state_bytes: optimizer.as_dyn().state_bytes(),
             phases: nn::manifest::Phases {
                 ingest: loaded.ingest_seconds,
                 prepare: loaded.prepare_seconds,
@@ -1193,6 +1426,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             },
         },
         checkpoint: checkpoint_info,
+        distributed,
     };
     if let Some(run) = &loaded.run {
         let commit = CursorCommit {

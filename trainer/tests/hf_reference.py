@@ -83,7 +83,7 @@ def log(message: str) -> None:
     print(f"hf_reference: {message}", file=sys.stderr, flush=True)
 
 
-def tiny_config(arch: str, tie: bool):
+def tiny_config(arch: str, tie: bool, like: dict | None = None):
     common = dict(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -96,6 +96,11 @@ def tiny_config(arch: str, tie: bool):
         eos_token_id=2,
         pad_token_id=0,
     )
+    if like is not None:
+        # The vocabulary and special tokens of a real model, so its tokenizer fits.
+        for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+            if like.get(key) is not None:
+                common[key] = like[key]
     if arch == "qwen2":
         from transformers import Qwen2Config
 
@@ -165,7 +170,10 @@ def tiny(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
     torch.manual_seed(args.seed)
-    config = tiny_config(args.arch, args.tie)
+    like = None
+    if args.tokenizer_from:
+        like = json.loads((args.tokenizer_from / "config.json").read_text())
+    config = tiny_config(args.arch, args.tie, like)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model, args.seed)
     model.eval()
@@ -175,6 +183,18 @@ def tiny(args) -> None:
     model.save_pretrained(args.out, max_shard_size=max_shard_size)
     if args.legacy_rope:
         legacy_rope(args.out / "config.json")
+    if args.tokenizer_from:
+        import shutil
+
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+            "generation_config.json",
+        ):
+            if (args.tokenizer_from / name).is_file():
+                shutil.copyfile(args.tokenizer_from / name, args.out / name)
     for file in args.out.iterdir():
         file.chmod(0o644)  # transformers writes the weights through 0600 temporary files
     params = sum(p.numel() for p in model.parameters())
@@ -290,6 +310,18 @@ def peft_grads(args):
 def peft_merge(args) -> None:
     model = peft_model(args).merge_and_unload()
     model.save_pretrained(args.out)
+    if args.tokenizer_from:
+        import shutil
+
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "special_tokens_map.json",
+            "generation_config.json",
+        ):
+            if (args.tokenizer_from / name).is_file():
+                shutil.copyfile(args.tokenizer_from / name, args.out / name)
     for file in args.out.iterdir():
         file.chmod(0o644)
     log(f"wrote the merged model to {args.out}")
@@ -305,6 +337,11 @@ def main() -> None:
     p.add_argument("--tie", action="store_true", help="tie_word_embeddings")
     p.add_argument("--shards", action="store_true", help="save in several safetensors shards")
     p.add_argument("--legacy-rope", action="store_true", help="transformers 4 rope keys in config.json")
+    p.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        help="take the vocabulary size and special tokens from this model's config.json and copy its tokenizer files",
+    )
     p = commands.add_parser("logprobs", help="log-probabilities of sequences read from stdin")
     p.add_argument("--model", type=Path, required=True)
     p = commands.add_parser("peft-random", help="write a random PEFT LoRA adapter")

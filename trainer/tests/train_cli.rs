@@ -7,19 +7,11 @@ mod common;
 use std::path::Path;
 
 use common::cli::{run_score_with, score_with, trainer};
-use common::traces::{Trace, Turn};
+use common::traces::Trace;
 use serde_json::{Value, json};
-use tapline_proto::Outcome;
 use tapline_proto::store::open_store;
 
 const T0: i64 = 1_780_000_000_000_000_000;
-
-fn answer(text: &str) -> Turn {
-    Turn {
-        content: text.into(),
-        ..Turn::default()
-    }
-}
 
 /// Two tasks × four episodes × two calls (answer, feedback, answer again).
 fn trace() -> Trace {
@@ -28,49 +20,7 @@ fn trace() -> Trace {
 
 /// The same episodes from sidecar `sidecar`, their ids prefixed with `prefix`.
 fn trace_of(sidecar: &str, prefix: &str) -> Trace {
-    let mut t = Trace::new(sidecar, T0);
-    for (task, question, answers) in [
-        ("add", "What is 2 + 3?", ["5", "6", "5", "4"]),
-        (
-            "capital",
-            "Capital of France?",
-            ["Paris", "Rome", "Paris", "Lyon"],
-        ),
-    ] {
-        for (i, first) in answers.iter().enumerate() {
-            let episode = format!("{prefix}{task}-{i}");
-            t.start(&episode, task, "g");
-            let mut messages = vec![json!({"role": "user", "content": question})];
-            let request = json!({"model": "m", "messages": messages.clone()});
-            let turn = answer(first);
-            t.chat_call(
-                &episode,
-                task,
-                0,
-                &request,
-                turn.completion(vec![], vec![]),
-                vec![],
-                Outcome::Ok,
-            );
-            messages.push(turn.history_message(false));
-            messages.push(json!({"role": "user", "content": "Are you sure? Answer again."}));
-            let request = json!({"model": "m", "messages": messages});
-            let second = answer(first);
-            t.chat_call(
-                &episode,
-                task,
-                1,
-                &request,
-                second.completion(vec![], vec![]),
-                vec![],
-                Outcome::Ok,
-            );
-            let correct = matches!(*first, "5" | "Paris");
-            t.reward(&episode, "", "", if correct { 1.0 } else { 0.0 });
-            t.end(&episode, task, "g", false);
-        }
-    }
-    t
+    common::traces::two_tasks(sidecar, prefix, T0)
 }
 
 /// An inference server that takes every adapter but refuses the first `fail_first`

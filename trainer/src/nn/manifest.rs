@@ -65,6 +65,9 @@ pub struct Compute {
     /// `nvidia-smi` is not available.
     pub gpu_peak_memory_bytes_sampled: Option<u64>,
     /// Per phase.
+    /// Bytes of optimizer state this process held (moments and fp32 masters; in a
+    /// distributed run, rank 0's share).
+    pub optimizer_state_bytes: u64,
     pub phases: Phases,
 }
 
@@ -113,6 +116,9 @@ pub struct RunManifest {
     pub compute: Compute,
     /// The checkpoint written.
     pub checkpoint: Value,
+    /// Distributed runs: world size, backend, and each rank's compute.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distributed: Option<Value>,
 }
 
 impl RunManifest {

@@ -8,12 +8,15 @@
 //! - [`lora`] — LoRA adapters in PEFT's format (settings, directory, attach, merge);
 //! - [`optim`] — AdamW with fp32 moments and fp32 master weights, its saved state,
 //!   schedules, clipping;
+//! - [`dist`] — data parallelism over c10d: micro-batch assignment, gradient
+//!   all-reduce, AdamW sharded across ranks;
 //! - [`train`] — mini-batches from the pipeline → optimizer steps, with metrics;
 //! - [`checkpoint`] — the HF directory a run writes.
 
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod dist;
 pub mod lora;
 pub mod loss;
 pub mod manifest;

@@ -90,6 +90,8 @@ pub struct AdamW {
     pub eps: f64,
     /// Decoupled weight decay.
     pub weight_decay: f64,
+    /// Communication of its gradient all-reduces (distributed runs).
+    pub(crate) comm: super::dist::Comm,
 }
 
 /// Why an optimizer state could not be saved or resumed.
@@ -156,6 +158,83 @@ pub fn has_state(dir: &Path) -> bool {
     dir.join(STATE_INFO).is_file() && dir.join(STATE_TENSORS).is_file()
 }
 
+/// The constants of one AdamW step.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Hyper {
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    lr: f64,
+    /// `1 − β1^t`.
+    bc1: f64,
+    /// `1 − β2^t`.
+    bc2: f64,
+}
+
+impl Hyper {
+    /// For step `steps` (1-based, after counting this one).
+    pub(crate) fn new(beta1: f64, beta2: f64, eps: f64, weight_decay: f64, lr: f64, steps: u64) -> Self {
+        let t = i32::try_from(steps).unwrap_or(i32::MAX);
+        Hyper {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            lr,
+            bc1: 1.0 - beta1.powi(t),
+            bc2: 1.0 - beta2.powi(t),
+        }
+    }
+}
+
+/// torch.optim.AdamW's rule on flat 1-D views: `target` (the fp32 master, or the
+/// parameter itself) is updated in place with `grad` and the fp32 moments `m`, `v`;
+/// `rounded` (the parameter when `target` is its master) receives the new value.
+///
+/// Every operation is in place but the fp32 gradient, its square and the denominator,
+/// and those are made [`CHUNK`] elements at a time: a step allocates a few 16 MB
+/// buffers, which the allocator reuses, instead of copies of the largest parameter (an
+/// embedding is 100 MB to 2.5 GB in fp32), which the C allocator maps and unmaps on
+/// every step (on the CPU, page faults then cost more than the step).
+pub(crate) fn update(
+    target: &Tensor,
+    rounded: Option<&Tensor>,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: &Hyper,
+) {
+    let n = target.numel() as i64;
+    let mut start = 0;
+    while start < n {
+        let len = CHUNK.min(n - start);
+        let part = |t: &Tensor| t.narrow(0, start, len);
+        let mut target = part(target);
+        // For an fp32 gradient this is the gradient itself: read, never written.
+        let g = part(grad).to_kind(Kind::Float);
+        let mut m = part(m);
+        let _ = m.f_lerp_(&g, 1.0 - h.beta1);
+        let _ = part(v).f_lerp_(&g.square(), 1.0 - h.beta2);
+        if h.weight_decay != 0.0 {
+            let _ = target.f_mul_scalar_(1.0 - h.lr * h.weight_decay);
+        }
+        if h.lr > 0.0 {
+            // param += m / d with d = -(√v / √bc2 + ε) · bc1 / lr.
+            let mut d = part(v).sqrt();
+            let _ = d.f_div_scalar_(h.bc2.sqrt());
+            let _ = d.f_add_scalar_(h.eps);
+            let _ = d.f_mul_scalar_(-h.bc1 / h.lr);
+            let _ = target.f_addcdiv_(&m, &d);
+        }
+        if let Some(rounded) = rounded {
+            // copy_ converts with round-to-nearest-even, as to_kind does.
+            let _ = part(rounded).f_copy_(&target);
+        }
+        start += len;
+    }
+}
+
 impl AdamW {
     /// State for `params` (moments zero, fp32, on each parameter's device; an fp32
     /// master copy of each parameter that is not fp32).
@@ -185,7 +264,13 @@ impl AdamW {
             beta2,
             eps,
             weight_decay,
+            comm: Default::default(),
         }
+    }
+
+    /// The parameters, in order.
+    pub fn parameters(&self) -> impl Iterator<Item = Tensor> + '_ {
+        self.slots.iter().map(|s| s.param.shallow_clone())
     }
 
     /// Steps taken, counting those of a resumed state.
@@ -251,20 +336,11 @@ impl AdamW {
         norm
     }
 
-    /// One AdamW step at learning rate `lr` (torch.optim.AdamW's rule), on the fp32
-    /// master where there is one, then copied (rounded) into the parameter.
-    ///
-    /// Every operation is in place but the fp32 gradient, its square and the
-    /// denominator, and those are made [`CHUNK`] elements at a time: a step allocates a
-    /// few 16 MB buffers, which the allocator reuses, instead of copies of the largest
-    /// parameter (an embedding is 100 MB to 2.5 GB in fp32), which the C allocator maps
-    /// and unmaps on every step (on the CPU, page faults then cost more than the step).
+    /// One AdamW step at learning rate `lr` (torch.optim.AdamW's rule, see [`update`]),
+    /// on the fp32 master where there is one, then copied (rounded) into the parameter.
     pub fn step(&mut self, lr: f64) {
         self.steps += 1;
-        let steps = i32::try_from(self.steps).unwrap_or(i32::MAX);
-        let bc1 = 1.0 - self.beta1.powi(steps);
-        let bc2 = 1.0 - self.beta2.powi(steps);
-        let (beta1, beta2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
+        let hyper = Hyper::new(self.beta1, self.beta2, self.eps, self.weight_decay, lr, self.steps);
         tch::no_grad(|| {
             for s in &mut self.slots {
                 let grad = s.param.grad();
@@ -273,79 +349,34 @@ impl AdamW {
                 }
                 let n = s.param.numel() as i64;
                 let flat = |t: &Tensor| t.view([n]);
-                let (grad, m, v) = (flat(&grad), flat(&s.m), flat(&s.v));
                 let param = flat(&s.param);
                 let master = s.master.as_ref().map(flat);
-                let mut start = 0;
-                while start < n {
-                    let len = CHUNK.min(n - start);
-                    let part = |t: &Tensor| t.narrow(0, start, len);
-                    let mut target = part(master.as_ref().unwrap_or(&param));
-                    // For an fp32 parameter this is the gradient itself: read, never
-                    // written.
-                    let g = part(&grad).to_kind(Kind::Float);
-                    let mut m = part(&m);
-                    let _ = m.f_lerp_(&g, 1.0 - beta1);
-                    let _ = part(&v).f_lerp_(&g.square(), 1.0 - beta2);
-                    if wd != 0.0 {
-                        let _ = target.f_mul_scalar_(1.0 - lr * wd);
-                    }
-                    if lr > 0.0 {
-                        // param += m / d with d = -(√v / √bc2 + ε) · bc1 / lr.
-                        let mut d = part(&v).sqrt();
-                        let _ = d.f_div_scalar_(bc2.sqrt());
-                        let _ = d.f_add_scalar_(eps);
-                        let _ = d.f_mul_scalar_(-bc1 / lr);
-                        let _ = target.f_addcdiv_(&m, &d);
-                    }
-                    if master.is_some() {
-                        // copy_ converts with round-to-nearest-even, as to_kind does.
-                        let _ = part(&param).f_copy_(&target);
-                    }
-                    start += len;
-                }
+                update(
+                    master.as_ref().unwrap_or(&param),
+                    master.is_some().then_some(&param),
+                    &flat(&grad),
+                    &flat(&s.m),
+                    &flat(&s.v),
+                    &hyper,
+                );
             }
         });
     }
 
     /// Writes [`STATE_TENSORS`] and [`STATE_INFO`] into `dir`; returns the info written.
     pub fn save_state(&self, dir: &Path) -> Result<StateInfo, StateError> {
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| StateError::Io { path, source }
-        };
-        let mut tensors = Vec::with_capacity(self.slots.len() * 3);
-        let mut parameters = Vec::with_capacity(self.slots.len());
-        for s in &self.slots {
-            tensors.push((format!("{}.exp_avg", s.name), s.m.shallow_clone()));
-            tensors.push((format!("{}.exp_avg_sq", s.name), s.v.shallow_clone()));
-            if let Some(master) = &s.master {
-                tensors.push((format!("{}.master", s.name), master.shallow_clone()));
-            }
-            parameters.push(StateParameter {
+        let entries: Vec<StateEntry> = self
+            .slots
+            .iter()
+            .map(|s| StateEntry {
                 name: s.name.clone(),
-                shape: s.param.size(),
-                dtype: format!("{:?}", s.param.kind()),
-                master: s.master.is_some(),
-            });
-        }
-        let tensors_path = dir.join(STATE_TENSORS);
-        weights::save(&tensors_path, &tensors)?;
-        let bytes = std::fs::read(&tensors_path).map_err(io(&tensors_path))?;
-        let info = StateInfo {
-            format: STATE_FORMAT.into(),
-            step: self.steps,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-            tensors_sha256: crate::ingest::sha256_hex(&bytes),
-            parameters,
-        };
-        let info_path = dir.join(STATE_INFO);
-        let text = serde_json::to_vec_pretty(&info).unwrap_or_default();
-        std::fs::write(&info_path, text).map_err(io(&info_path))?;
-        Ok(info)
+                param: s.param.shallow_clone(),
+                m: s.m.shallow_clone(),
+                v: s.v.shallow_clone(),
+                master: s.master.as_ref().map(Tensor::shallow_clone),
+            })
+            .collect();
+        write_state(dir, self.steps, [self.beta1, self.beta2, self.eps, self.weight_decay], &entries)
     }
 
     /// Resumes from the state in `dir`: moments, masters and step count. The state must
@@ -353,103 +384,12 @@ impl AdamW {
     /// the parameter it shadows (else it belongs to other weights). A master saved for a
     /// parameter that is fp32 now replaces that parameter (full precision again).
     pub fn load_state(&mut self, dir: &Path) -> Result<StateInfo, StateError> {
-        let info_path = dir.join(STATE_INFO);
-        let tensors_path = dir.join(STATE_TENSORS);
-        let mismatch = |path: &Path, message: String| StateError::Mismatch {
-            path: path.to_path_buf(),
-            message,
-        };
-        let text = std::fs::read_to_string(&info_path).map_err(|source| StateError::Io {
-            path: info_path.clone(),
-            source,
-        })?;
-        let info: StateInfo = serde_json::from_str(&text)
-            .map_err(|e| mismatch(&info_path, format!("not an optimizer state: {e}")))?;
-        if info.format != STATE_FORMAT {
-            return Err(mismatch(
-                &info_path,
-                format!("format {:?}, expected {STATE_FORMAT:?}", info.format),
-            ));
-        }
-        let bytes = std::fs::read(&tensors_path).map_err(|source| StateError::Io {
-            path: tensors_path.clone(),
-            source,
-        })?;
-        let sha = crate::ingest::sha256_hex(&bytes);
-        if sha != info.tensors_sha256 {
-            return Err(mismatch(
-                &tensors_path,
-                format!(
-                    "SHA-256 {sha} is not the {} that {STATE_INFO} names: the two files are not from the same save",
-                    info.tensors_sha256
-                ),
-            ));
-        }
-        drop(bytes);
-        let file = Checkpoint::open_file(&tensors_path)?;
-        let hint =
-            "(the state is from another model or mode; pass --fresh-optimizer to start a new one)";
-        let mut expected = std::collections::BTreeSet::new();
-        let mut loaded = Vec::with_capacity(self.slots.len());
-        for s in &self.slots {
-            let shape = s.param.size();
-            let device = s.param.device();
-            let mut get = |suffix: &str| -> Result<Option<Tensor>, StateError> {
-                let name = format!("{}.{suffix}", s.name);
-                expected.insert(name.clone());
-                match file.shape(&name) {
-                    None => Ok(None),
-                    Some(found) if found != shape.as_slice() => Err(mismatch(
-                        &tensors_path,
-                        format!("{name} has shape {found:?} but the parameter is {shape:?} {hint}"),
-                    )),
-                    Some(_) => Ok(Some(file.load(&name, &shape, Kind::Float, device)?)),
-                }
-            };
-            let m = get("exp_avg")?;
-            let v = get("exp_avg_sq")?;
-            let master = get("master")?;
-            let (Some(m), Some(v)) = (m, v) else {
-                return Err(mismatch(
-                    &tensors_path,
-                    format!("no moments for parameter {} {hint}", s.name),
-                ));
-            };
-            if let Some(master) = &master {
-                let rounded = master.to_kind(s.param.kind());
-                let same = if s.param.kind() == Kind::Float {
-                    // An fp32 parameter saved from a bf16 run: it is the rounded master.
-                    master.to_kind(Kind::BFloat16).to_kind(Kind::Float)
-                } else {
-                    rounded
-                };
-                let agrees = tch::no_grad(|| {
-                    let p = s.param.detach();
-                    let p = if s.param.kind() == Kind::Float {
-                        p.to_kind(Kind::BFloat16).to_kind(Kind::Float)
-                    } else {
-                        p
-                    };
-                    bool::try_from(same.eq_tensor(&p).all()).unwrap_or(false)
-                });
-                if !agrees {
-                    return Err(mismatch(
-                        &tensors_path,
-                        format!(
-                            "the fp32 master of {} does not round to the weights being trained: the state belongs to other weights (resume from the directory that holds both, or pass --fresh-optimizer)",
-                            s.name
-                        ),
-                    ));
-                }
-            }
-            loaded.push((m, v, master));
-        }
-        if let Some(extra) = file.names().find(|n| !expected.contains(*n)) {
-            return Err(mismatch(
-                &tensors_path,
-                format!("{extra} is not the state of any parameter being trained {hint}"),
-            ));
-        }
+        let params: Vec<(String, Tensor)> = self
+            .slots
+            .iter()
+            .map(|s| (s.name.clone(), s.param.shallow_clone()))
+            .collect();
+        let (info, loaded) = read_state(dir, &params, None)?;
         tch::no_grad(|| {
             for (s, (m, v, master)) in self.slots.iter_mut().zip(loaded) {
                 s.m = m;
@@ -466,6 +406,170 @@ impl AdamW {
         self.steps = info.step;
         Ok(info)
     }
+}
+
+/// One parameter's optimizer state, whole (however it is kept while training).
+#[derive(Debug)]
+pub(crate) struct StateEntry {
+    pub(crate) name: String,
+    pub(crate) param: Tensor,
+    pub(crate) m: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) master: Option<Tensor>,
+}
+
+/// Writes [`STATE_TENSORS`] and [`STATE_INFO`] for `entries` into `dir`.
+pub(crate) fn write_state(
+    dir: &Path,
+    steps: u64,
+    [beta1, beta2, eps, weight_decay]: [f64; 4],
+    entries: &[StateEntry],
+) -> Result<StateInfo, StateError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| StateError::Io { path, source }
+    };
+    let mut tensors = Vec::with_capacity(entries.len() * 3);
+    let mut parameters = Vec::with_capacity(entries.len());
+    for s in entries {
+        tensors.push((format!("{}.exp_avg", s.name), s.m.shallow_clone()));
+        tensors.push((format!("{}.exp_avg_sq", s.name), s.v.shallow_clone()));
+        if let Some(master) = &s.master {
+            tensors.push((format!("{}.master", s.name), master.shallow_clone()));
+        }
+        parameters.push(StateParameter {
+            name: s.name.clone(),
+            shape: s.param.size(),
+            dtype: format!("{:?}", s.param.kind()),
+            master: s.master.is_some(),
+        });
+    }
+    let tensors_path = dir.join(STATE_TENSORS);
+    weights::save(&tensors_path, &tensors)?;
+    let bytes = std::fs::read(&tensors_path).map_err(io(&tensors_path))?;
+    let info = StateInfo {
+        format: STATE_FORMAT.into(),
+        step: steps,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        tensors_sha256: crate::ingest::sha256_hex(&bytes),
+        parameters,
+    };
+    let info_path = dir.join(STATE_INFO);
+    let text = serde_json::to_vec_pretty(&info).unwrap_or_default();
+    std::fs::write(&info_path, text).map_err(io(&info_path))?;
+    Ok(info)
+}
+
+/// Moments and master (if saved) of one parameter, as read.
+pub(crate) type LoadedState = (Tensor, Tensor, Option<Tensor>);
+
+/// Reads and checks the state in `dir` for `params` (see [`AdamW::load_state`]), each
+/// tensor on `device` (default: its parameter's).
+pub(crate) fn read_state(
+    dir: &Path,
+    params: &[(String, Tensor)],
+    device: Option<tch::Device>,
+) -> Result<(StateInfo, Vec<LoadedState>), StateError> {
+    let info_path = dir.join(STATE_INFO);
+    let tensors_path = dir.join(STATE_TENSORS);
+    let mismatch = |path: &Path, message: String| StateError::Mismatch {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(&info_path).map_err(|source| StateError::Io {
+        path: info_path.clone(),
+        source,
+    })?;
+    let info: StateInfo = serde_json::from_str(&text)
+        .map_err(|e| mismatch(&info_path, format!("not an optimizer state: {e}")))?;
+    if info.format != STATE_FORMAT {
+        return Err(mismatch(
+            &info_path,
+            format!("format {:?}, expected {STATE_FORMAT:?}", info.format),
+        ));
+    }
+    let bytes = std::fs::read(&tensors_path).map_err(|source| StateError::Io {
+        path: tensors_path.clone(),
+        source,
+    })?;
+    let sha = crate::ingest::sha256_hex(&bytes);
+    if sha != info.tensors_sha256 {
+        return Err(mismatch(
+            &tensors_path,
+            format!(
+                "SHA-256 {sha} is not the {} that {STATE_INFO} names: the two files are not from the same save",
+                info.tensors_sha256
+            ),
+        ));
+    }
+    drop(bytes);
+    let file = Checkpoint::open_file(&tensors_path)?;
+    let hint =
+        "(the state is from another model or mode; pass --fresh-optimizer to start a new one)";
+    let mut expected = std::collections::BTreeSet::new();
+    let mut loaded = Vec::with_capacity(params.len());
+    for (name, param) in params {
+        let shape = param.size();
+        let device = device.unwrap_or_else(|| param.device());
+        let mut get = |suffix: &str| -> Result<Option<Tensor>, StateError> {
+            let key = format!("{name}.{suffix}");
+            expected.insert(key.clone());
+            match file.shape(&key) {
+                None => Ok(None),
+                Some(found) if found != shape.as_slice() => Err(mismatch(
+                    &tensors_path,
+                    format!("{key} has shape {found:?} but the parameter is {shape:?} {hint}"),
+                )),
+                Some(_) => Ok(Some(file.load(&key, &shape, Kind::Float, device)?)),
+            }
+        };
+        let m = get("exp_avg")?;
+        let v = get("exp_avg_sq")?;
+        let master = get("master")?;
+        let (Some(m), Some(v)) = (m, v) else {
+            return Err(mismatch(
+                &tensors_path,
+                format!("no moments for parameter {name} {hint}"),
+            ));
+        };
+        if let Some(master) = &master {
+            let rounded = master.to_kind(param.kind());
+            let same = if param.kind() == Kind::Float {
+                // An fp32 parameter saved from a bf16 run: it is the rounded master.
+                master.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+            } else {
+                rounded
+            };
+            let agrees = tch::no_grad(|| {
+                let p = param.detach().to_device(device);
+                let p = if param.kind() == Kind::Float {
+                    p.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+                } else {
+                    p
+                };
+                bool::try_from(same.eq_tensor(&p).all()).unwrap_or(false)
+            });
+            if !agrees {
+                return Err(mismatch(
+                    &tensors_path,
+                    format!(
+                        "the fp32 master of {name} does not round to the weights being trained: the state belongs to other weights (resume from the directory that holds both, or pass --fresh-optimizer)"
+                    ),
+                ));
+            }
+        }
+        loaded.push((m, v, master));
+    }
+    if let Some(extra) = file.names().find(|n| !expected.contains(*n)) {
+        return Err(mismatch(
+            &tensors_path,
+            format!("{extra} is not the state of any parameter being trained {hint}"),
+        ));
+    }
+    Ok((info, loaded))
 }
 
 #[cfg(test)]

@@ -30,7 +30,9 @@ use tch::{Device, Kind, Tensor};
 use super::lora::LoraOptions;
 use super::loss::{self, LossOptions, LossStats, PolicyLoss, TokenInputs};
 use super::model::Transformer;
+use super::dist::{self, Comm, Optimizer};
 use super::optim::{AdamW, LrSchedule, learning_rate};
+use tapline_c10d::{Group, ReduceOp};
 use crate::batch::{MicroBatch, MiniBatch};
 
 /// Settings of the update (section `[train]` of the run configuration).
@@ -82,6 +84,10 @@ pub struct TrainOptions {
     /// Train a LoRA adapter instead of every weight (section `[train.lora]`; absent:
     /// full fine-tune).
     pub lora: Option<LoraOptions>,
+    /// Distributed runs (launched by torchrun / PyTorchJob): shard the AdamW state across
+    /// the ranks (ZeRO-1/2: optimizer memory per rank falls as 1/world size); false keeps
+    /// a whole copy on every rank (plain data parallel). No effect on one process.
+    pub shard_optimizer: bool,
     /// The policy version announced when the run started (`[clean] policy`), from which
     /// the lag of each call's tokens is counted in [`TrainResult::importance_by_lag`].
     /// Not a setting: the run fills it in.
@@ -118,6 +124,7 @@ impl Default for TrainOptions {
             dtype: "auto".into(),
             seed: 0,
             lora: None,
+            shard_optimizer: true,
             latest_policy_version: None,
             stop: None,
         }
@@ -183,6 +190,11 @@ impl TrainOptions {
             lora.validate()?;
         }
         Ok(())
+    }
+
+    /// The AdamW hyper-parameters `[β1, β2, ε, weight decay]`.
+    pub fn adamw(&self) -> [f64; 4] {
+        [self.beta1, self.beta2, self.eps, self.weight_decay]
     }
 
     /// A new optimizer for the model's trainable parameters (the adapters under LoRA),
@@ -263,6 +275,9 @@ pub struct StepMetrics {
     pub seconds: f64,
     /// `tokens / seconds`.
     pub tokens_per_second: f64,
+    /// Distributed runs: what this rank sent into collectives during the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<Comm>,
 }
 
 impl StepMetrics {
@@ -303,6 +318,9 @@ pub enum TrainError {
     /// libtorch refused an operation (out of memory, ...).
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
+    /// A collective failed: another rank died or the timeout passed.
+    #[error(transparent)]
+    Distributed(#[from] tapline_c10d::Error),
 }
 
 /// One micro-batch as tensors on the model's device.
@@ -513,10 +531,13 @@ pub struct TrainResult {
     /// (`latest − version`, or `unversioned`); empty when no version was announced.
     /// Off-policy drift shows as a mean that moves away from 1 as the lag grows.
     pub importance_by_lag: std::collections::BTreeMap<String, LagRatio>,
+    /// Distributed runs: what this rank sent into collectives in the whole update.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<Comm>,
 }
 
 /// Importance ratios of the tokens at one lag.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct LagRatio {
     /// Tokens with an inference log-prob.
     pub tokens: u64,
@@ -566,6 +587,22 @@ pub fn train(
     mini_batches: &[MiniBatch],
     options: &TrainOptions,
     first_step: u64,
+    on_step: impl FnMut(&StepMetrics),
+) -> Result<TrainResult, TrainError> {
+    train_with(model, optimizer, mini_batches, options, first_step, None, on_step)
+}
+
+/// [`train`] with any [`Optimizer`], on one rank of `group` when given: this rank runs
+/// its share of each mini-batch's micro-batches ([`dist::assign`]), the optimizer sums
+/// the gradients across ranks, and the step metrics are those of the whole mini-batch
+/// on every rank. Every rank must call it with the same mini-batches and options.
+pub fn train_with(
+    model: &mut Transformer,
+    optimizer: &mut (impl Optimizer + ?Sized),
+    mini_batches: &[MiniBatch],
+    options: &TrainOptions,
+    first_step: u64,
+    group: Option<&Group>,
     mut on_step: impl FnMut(&StepMetrics),
 ) -> Result<TrainResult, TrainError> {
     let started = Instant::now();
@@ -582,6 +619,26 @@ pub fn train(
             }
         }
     }
+    let group = group.filter(|g| g.size() > 1);
+    // This rank's micro-batches of each mini-batch.
+    let mine: Vec<Vec<bool>> = mini_batches
+        .iter()
+        .map(|mb| match group {
+            None => vec![true; mb.micro_batches.len()],
+            Some(g) => {
+                let tokens: Vec<u64> = mb
+                    .micro_batches
+                    .iter()
+                    .map(|m| m.sequences.iter().map(|s| s.sequence.len() as u64).sum())
+                    .collect();
+                let mut flags = vec![false; tokens.len()];
+                for i in &dist::assign(&tokens, g.size())[g.rank()] {
+                    flags[*i] = true;
+                }
+                flags
+            }
+        })
+        .collect();
     let device = model.device();
     let chunk = options.logprob_chunk as i64;
     // Old log-probs of every mini-batch after the first (the first uses its own pass).
@@ -592,7 +649,10 @@ pub fn train(
         old.push(
             mb.micro_batches
                 .iter()
-                .map(|micro| compute.then(|| micro_logprobs(model, &gather(micro, device), chunk)))
+                .zip(&mine[k])
+                .map(|(micro, &mine)| {
+                    (compute && mine).then(|| micro_logprobs(model, &gather(micro, device), chunk))
+                })
                 .collect(),
         );
     }
@@ -608,18 +668,30 @@ pub fn train(
         old_logprob_seconds,
         seconds: 0.0,
         importance_by_lag: Default::default(),
+        comm: None,
     };
     let mut step = first_step;
     'epochs: for epoch in 0..options.epochs {
         for (k, mb) in mini_batches.iter().enumerate() {
             let step_started = Instant::now();
-            optimizer.zero_grad();
+            let comm_before = optimizer.comm();
+            optimizer.clear_grads();
             let mut stats = LossStats::default();
             let mut entropy = 0.0;
             let mut tokens = 0;
             let mut sequences = 0;
             let mut rewards = std::collections::BTreeMap::new();
             for (m, micro) in mb.micro_batches.iter().enumerate() {
+                // The whole mini-batch's counts on every rank; the model runs on this
+                // rank's share.
+                tokens += micro.sequences.iter().map(|s| s.sequence.len() as u64).sum::<u64>();
+                sequences += micro.sequences.len() as u64;
+                for s in &micro.sequences {
+                    rewards.insert(s.episode_id.clone(), s.reward);
+                }
+                if !mine[k][m] {
+                    continue;
+                }
                 let g = gather(micro, device);
                 let by_lag = &mut result.importance_by_lag;
                 let (s, e) = micro_step_with(model, &g, old[k][m].as_ref(), options, |old| {
@@ -629,13 +701,16 @@ pub fn train(
                 });
                 stats.merge(&s);
                 entropy += e;
-                tokens += g.tokens;
-                sequences += micro.sequences.len() as u64;
-                for s in &micro.sequences {
-                    rewards.insert(s.episode_id.clone(), s.reward);
-                }
             }
-            let grad_norm = optimizer.clip_grad_norm(options.max_grad_norm);
+            let mut stop = options
+                .stop
+                .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst));
+            if let Some(group) = group {
+                // The mini-batch's sums over every rank, and whether any was asked to
+                // stop (all stop after the same step).
+                (stats, entropy, stop) = reduce_stats(group, &stats, entropy, stop)?;
+            }
+            let grad_norm = optimizer.reduce_and_clip(options.max_grad_norm, group)?;
             let lr = learning_rate(
                 options.lr_schedule,
                 options.lr,
@@ -646,9 +721,9 @@ pub fn train(
             );
             let skipped = !grad_norm.is_finite();
             if !skipped {
-                optimizer.step(lr);
+                optimizer.apply(lr, group)?;
             }
-            optimizer.zero_grad();
+            optimizer.clear_grads();
             let seconds = step_started.elapsed().as_secs_f64();
             let per = |x: f64, n: f64| if n > 0.0 { x / n } else { 0.0 };
             let inf = stats.inference_tokens;
@@ -677,21 +752,102 @@ pub fn train(
                 reward_mean: per(rewards.values().sum(), rewards.len() as f64),
                 seconds,
                 tokens_per_second: per(tokens as f64, seconds),
+                comm: group.map(|_| {
+                    let now = optimizer.comm();
+                    Comm {
+                        bytes: now.bytes - comm_before.bytes,
+                        seconds: now.seconds - comm_before.seconds,
+                        calls: now.calls - comm_before.calls,
+                    }
+                }),
             };
             result.loss_tokens += metrics.loss_tokens;
             result.tokens += tokens;
             on_step(&metrics);
             result.steps.push(metrics);
             step += 1;
-            if options
-                .stop
-                .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst))
-            {
+            if stop {
                 break 'epochs;
             }
         }
     }
+    if let Some(group) = group {
+        result.importance_by_lag = merge_lag_ratios(group, &result.importance_by_lag)?;
+        result.comm = Some(optimizer.comm());
+    }
     model.set_requires_grad(false);
     result.seconds = started.elapsed().as_secs_f64();
     Ok(result)
+}
+
+/// Sums (and min / max) of one step's loss statistics and entropy over every rank, and
+/// whether any rank was asked to stop.
+fn reduce_stats(
+    group: &Group,
+    stats: &LossStats,
+    entropy: f64,
+    stop: bool,
+) -> Result<(LossStats, f64, bool), TrainError> {
+    let sums = Tensor::from_slice(&[
+        stats.tokens,
+        stats.loss,
+        stats.clipped,
+        stats.dual_clipped,
+        stats.ratio_sum,
+        stats.kl_sum,
+        stats.inference_tokens,
+        stats.inference_gap_sum,
+        stats.inference_abs_gap_sum,
+        stats.tis_capped,
+        entropy,
+        f64::from(u8::from(stop)),
+    ]);
+    let empty = stats.tokens == 0.0;
+    let extremes = Tensor::from_slice(&[
+        if empty { f64::NEG_INFINITY } else { stats.ratio_max },
+        if empty { f64::NEG_INFINITY } else { -stats.ratio_min },
+    ]);
+    group.all_reduce(&sums, ReduceOp::Sum)?;
+    group.all_reduce(&extremes, ReduceOp::Max)?;
+    let s = Vec::<f64>::try_from(&sums)?;
+    let e = Vec::<f64>::try_from(&extremes)?;
+    let any = s[0] > 0.0;
+    let out = LossStats {
+        tokens: s[0],
+        loss: s[1],
+        clipped: s[2],
+        dual_clipped: s[3],
+        ratio_sum: s[4],
+        kl_sum: s[5],
+        inference_tokens: s[6],
+        inference_gap_sum: s[7],
+        inference_abs_gap_sum: s[8],
+        tis_capped: s[9],
+        ratio_max: if any { e[0] } else { 0.0 },
+        ratio_min: if any { -e[1] } else { 0.0 },
+    };
+    Ok((out, s[10], s[11] > 0.0))
+}
+
+/// Every rank's importance ratios by lag, merged (token-weighted means), on every rank.
+fn merge_lag_ratios(
+    group: &Group,
+    mine: &std::collections::BTreeMap<String, LagRatio>,
+) -> Result<std::collections::BTreeMap<String, LagRatio>, TrainError> {
+    let bytes = serde_json::to_vec(mine).unwrap_or_default();
+    let mut merged: std::collections::BTreeMap<String, LagRatio> = Default::default();
+    for value in group.exchange("importance_by_lag", &bytes)? {
+        let theirs: std::collections::BTreeMap<String, LagRatio> =
+            serde_json::from_slice(&value).unwrap_or_default();
+        for (lag, r) in theirs {
+            let e = merged.entry(lag).or_default();
+            let tokens = e.tokens + r.tokens;
+            if tokens > 0 {
+                e.mean_ratio = (e.mean_ratio * e.tokens as f64 + r.mean_ratio * r.tokens as f64)
+                    / tokens as f64;
+            }
+            e.tokens = tokens;
+        }
+    }
+    Ok(merged)
 }

@@ -290,3 +290,61 @@ pub fn tool_result(k: usize) -> Value {
         .collect();
     json!({"role": "tool", "tool_call_id": "call_0", "content": body})
 }
+
+/// A plain text answer.
+pub fn answer(text: &str) -> Turn {
+    Turn {
+        content: text.into(),
+        ..Turn::default()
+    }
+}
+
+/// Two tasks × four episodes × two calls (answer, feedback, answer again) from sidecar
+/// `sidecar`, episode ids prefixed with `prefix`, starting at `t0`; "5" and "Paris" are
+/// rewarded 1, other answers 0.
+pub fn two_tasks(sidecar: &str, prefix: &str, t0: i64) -> Trace {
+    let mut t = Trace::new(sidecar, t0);
+    for (task, question, answers) in [
+        ("add", "What is 2 + 3?", ["5", "6", "5", "4"]),
+        (
+            "capital",
+            "Capital of France?",
+            ["Paris", "Rome", "Paris", "Lyon"],
+        ),
+    ] {
+        for (i, first) in answers.iter().enumerate() {
+            let episode = format!("{prefix}{task}-{i}");
+            t.start(&episode, task, "g");
+            let mut messages = vec![json!({"role": "user", "content": question})];
+            let request = json!({"model": "m", "messages": messages.clone()});
+            let turn = answer(first);
+            t.chat_call(
+                &episode,
+                task,
+                0,
+                &request,
+                turn.completion(vec![], vec![]),
+                vec![],
+                tapline_proto::Outcome::Ok,
+            );
+            messages.push(turn.history_message(false));
+            messages.push(json!({"role": "user", "content": "Are you sure? Answer again."}));
+            let request = json!({"model": "m", "messages": messages});
+            let second = answer(first);
+            t.chat_call(
+                &episode,
+                task,
+                1,
+                &request,
+                second.completion(vec![], vec![]),
+                vec![],
+                tapline_proto::Outcome::Ok,
+            );
+            let correct = matches!(*first, "5" | "Paris");
+            t.reward(&episode, "", "", if correct { 1.0 } else { 0.0 });
+            t.end(&episode, task, "g", false);
+        }
+    }
+    t
+}
+
