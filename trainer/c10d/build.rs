@@ -66,7 +66,9 @@ fn nccl_headers(torch_root: &Path) -> Option<(PathBuf, PathBuf)> {
             .flat_map(|p| [p.join("include"), p.join("cuda_runtime/include")])
             // cuda_runtime.h includes crt/host_config.h, which the runtime wheel
             // alone lacks (it comes with nvidia-cuda-crt).
-            .find(|dir| dir.join("cuda_runtime_api.h").is_file() && dir.join("crt/host_config.h").is_file())
+            .find(|dir| {
+                dir.join("cuda_runtime_api.h").is_file() && dir.join("crt/host_config.h").is_file()
+            })
     })?;
     Some((nccl, cuda))
 }

@@ -148,8 +148,10 @@ struct PrepareArgs {
     out: PathBuf,
     #[command(flatten)]
     model: ModelArgs,
-    /// Name of the run's cursor (config `run`).
-    #[arg(long)]
+    /// Name of the run's cursor (config `run`). Under torchrun, put `--` before the
+    /// trainer's path (torchrun's parser takes `--run` for its `--run-path`) or set
+    /// TAPLINE_RUN.
+    #[arg(long, env = "TAPLINE_RUN")]
     run: Option<String>,
     /// Read every segment and leave the cursor alone (for inspection).
     #[arg(long)]
@@ -334,6 +336,9 @@ struct BenchArgs {
     /// Rank of the adapter with `--lora`.
     #[arg(long, default_value_t = 16)]
     lora_rank: i64,
+    /// Under torchrun: keep the whole AdamW state on every rank instead of sharding it.
+    #[arg(long)]
+    replicate_optimizer: bool,
 }
 
 #[derive(Args)]
@@ -765,7 +770,10 @@ impl Opt {
         }
     }
 
-    fn load_state(&mut self, dir: &std::path::Path) -> Result<nn::optim::StateInfo, nn::optim::StateError> {
+    fn load_state(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<nn::optim::StateInfo, nn::optim::StateError> {
         match self {
             Opt::Whole(o) => o.load_state(dir),
             Opt::Sharded(o) => o.load_state(dir),
@@ -1082,20 +1090,24 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         ),
         _ => None,
     };
-    let mut loaded = load_and_prepare(&args.prepare, |c| {
-        if let Some(lr) = args.lr {
-            c.train.lr = lr;
-        }
-        if let Some(e) = args.epochs {
-            c.train.epochs = e;
-        }
-        if let Some(s) = args.seed {
-            c.train.seed = s;
-        }
-        if let Some(d) = &args.dtype {
-            c.train.dtype = d.clone();
-        }
-    }, plan.as_ref())?;
+    let mut loaded = load_and_prepare(
+        &args.prepare,
+        |c| {
+            if let Some(lr) = args.lr {
+                c.train.lr = lr;
+            }
+            if let Some(e) = args.epochs {
+                c.train.epochs = e;
+            }
+            if let Some(s) = args.seed {
+                c.train.seed = s;
+            }
+            if let Some(d) = &args.dtype {
+                c.train.dtype = d.clone();
+            }
+        },
+        plan.as_ref(),
+    )?;
     if let Some(g) = &group {
         if g.rank() == 0 {
             let plan = RankPlan {
@@ -1548,7 +1560,26 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         args.sequences >= 1 && args.steps >= 1,
         "--sequences and --steps must be at least 1"
     );
+    let launch = tapline_c10d::Launch::from_env()?.filter(|l| l.world_size > 1);
+    let device = match (&launch, args.device.as_str()) {
+        (Some(l), "cuda") => nn::parse_device(&format!("cuda:{}", l.local_rank))?,
+        _ => device,
+    };
+    let group = match &launch {
+        Some(l) => Some(tapline_c10d::Group::connect(
+            l,
+            if device.is_cuda() {
+                tapline_c10d::Backend::Nccl
+            } else {
+                tapline_c10d::Backend::Gloo
+            },
+            std::time::Duration::from_secs(600),
+        )?),
+        None => None,
+    };
+    let rank = group.as_ref().map_or(0, |g| g.rank());
     let options = nn::train::TrainOptions {
+        shard_optimizer: !args.replicate_optimizer,
         recompute: args.recompute,
         lora: args.lora.then(|| nn::lora::LoraOptions {
             rank: args.lora_rank,
@@ -1557,6 +1588,24 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         }),
         ..Default::default()
     };
+    if rank != 0 {
+        // Rank 0 reports; the others only take part.
+        nn::bench::run(
+            &args.preset,
+            device,
+            kind,
+            args.sequences,
+            args.seq_len,
+            args.warmup,
+            args.steps,
+            &options,
+            None,
+            group.as_ref(),
+            |_, _| {},
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+        return Ok(());
+    }
     println!(
         "bench-update: {} {} on {} ({kind:?}), {} x {} tokens per step, {} warmup + {} measured steps{}",
         args.preset,
@@ -1582,6 +1631,7 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         args.steps,
         &options,
         args.peak_tflops.map(|t| t * 1e12),
+        group.as_ref(),
         |i, secs| {
             let tag = if i < args.warmup { "warmup" } else { "step" };
             println!(
@@ -1604,6 +1654,21 @@ fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         result.peak_rss_bytes as f64 / (1u64 << 30) as f64,
         result.bytes_per_parameter,
     );
+    if let (Some(bytes), Some(secs)) = (result.comm_bytes_per_step, result.comm_seconds_per_step) {
+        println!(
+            "bench-update: {} ranks ({}, optimizer {}), rank 0 sent {:.1} MB per step into collectives in {:.3}s (median), optimizer state {:.1} MB per rank",
+            result.world_size,
+            result.backend.as_deref().unwrap_or(""),
+            if options.shard_optimizer {
+                "sharded"
+            } else {
+                "replicated"
+            },
+            bytes as f64 / 1e6,
+            secs,
+            result.optimizer_state_bytes as f64 / 1e6,
+        );
+    }
     println!("{}", serde_json::to_string(&result)?);
     Ok(())
 }

@@ -23,13 +23,21 @@ const T0: i64 = 1_780_000_000_000_000_000;
 fn torchrun() -> PathBuf {
     let python = common::python();
     let bin = python.parent().unwrap().join("torchrun");
-    assert!(bin.is_file(), "no torchrun beside {} (torch is in the test venv)", python.display());
+    assert!(
+        bin.is_file(),
+        "no torchrun beside {} (torch is in the test venv)",
+        python.display()
+    );
     bin
 }
 
 fn model() -> tempfile::TempDir {
     let smol = common::smollm2();
-    tiny("llama", 17, &["--tie", "--tokenizer-from", smol.to_str().unwrap()])
+    tiny(
+        "llama",
+        17,
+        &["--tie", "--tokenizer-from", smol.to_str().unwrap()],
+    )
 }
 
 fn read_json(path: &Path) -> Value {
@@ -41,9 +49,27 @@ fn read_json(path: &Path) -> Value {
 /// episodes has several (three or more: one rank gets fewer).
 fn train_args(store: &str, run: &str, model: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
     let now = ((T0 / 1_000_000_000) + 600).to_string();
-    let mut args: Vec<String> = vec!["train".into(), "--store".into(), store.into(), "--run".into(), run.into()];
-    args.extend(["--model".into(), model.display().to_string(), "--out".into(), out.display().to_string()]);
-    for a in ["--lr", "1e-4", "--now-unix-secs", &now, "--mini-batch-episodes", "3"] {
+    let mut args: Vec<String> = vec![
+        "train".into(),
+        "--store".into(),
+        store.into(),
+        "--run".into(),
+        run.into(),
+    ];
+    args.extend([
+        "--model".into(),
+        model.display().to_string(),
+        "--out".into(),
+        out.display().to_string(),
+    ]);
+    for a in [
+        "--lr",
+        "1e-4",
+        "--now-unix-secs",
+        &now,
+        "--mini-batch-episodes",
+        "3",
+    ] {
         args.push(a.into());
     }
     for a in ["--max-seq-len", "128", "--micro-batch-tokens", "128"] {
@@ -54,9 +80,18 @@ fn train_args(store: &str, run: &str, model: &Path, out: &Path, extra: &[&str]) 
 }
 
 fn single(args: &[String]) -> String {
-    let out = trainer().args(args).env_remove("WORLD_SIZE").env_remove("RANK").output().unwrap();
+    let out = trainer()
+        .args(args)
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "train failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "train failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     stdout
 }
 
@@ -80,7 +115,15 @@ fn two_ranks(args: &[String]) -> String {
 
 /// Largest |a − b| over every tensor of two safetensors files (same names and shapes).
 fn max_diff(a: &Path, b: &Path) -> f64 {
-    let (a, b) = (Checkpoint::open_file(a).unwrap(), Checkpoint::open_file(b).unwrap());
+    max_diff_of(a, b, |_| true)
+}
+
+/// [`max_diff`] over the tensors whose name passes `keep`.
+fn max_diff_of(a: &Path, b: &Path, keep: impl Fn(&str) -> bool) -> f64 {
+    let (a, b) = (
+        Checkpoint::open_file(a).unwrap(),
+        Checkpoint::open_file(b).unwrap(),
+    );
     let mut names: Vec<String> = a.names().map(str::to_owned).collect();
     names.sort();
     let theirs: Vec<String> = {
@@ -90,9 +133,12 @@ fn max_diff(a: &Path, b: &Path) -> f64 {
     };
     assert_eq!(names, theirs);
     let mut worst = 0.0f64;
-    for name in names {
+    for name in names.into_iter().filter(|n| keep(n)) {
         let shape = a.shape(&name).unwrap().to_vec();
-        let load = |c: &Checkpoint| c.load(&name, &shape, tch::Kind::Float, tch::Device::Cpu).unwrap();
+        let load = |c: &Checkpoint| {
+            c.load(&name, &shape, tch::Kind::Float, tch::Device::Cpu)
+                .unwrap()
+        };
         let d = (load(&a) - load(&b)).abs().max().double_value(&[]);
         worst = worst.max(d);
     }
@@ -104,13 +150,19 @@ async fn store_with(batches: &[&str]) -> (tempfile::TempDir, String) {
     let url = format!("file://{}", tmp.path().join("store").display());
     let store = open_store(&url).unwrap();
     for (i, prefix) in batches.iter().enumerate() {
-        common::traces::two_tasks(&format!("sc-{i}"), prefix, T0).write(&store, 9).await;
+        common::traces::two_tasks(&format!("sc-{i}"), prefix, T0)
+            .write(&store, 9)
+            .await;
     }
     (tmp, url)
 }
 
 fn cursor_exists(store_dir: &Path, run: &str) -> bool {
-    store_dir.join("trainer/runs").join(run).join("cursor.json").is_file()
+    store_dir
+        .join("trainer/runs")
+        .join(run)
+        .join("cursor.json")
+        .is_file()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,33 +170,73 @@ async fn two_ranks_give_the_checkpoint_of_one_process() {
     let model = model();
     let (tmp, store) = store_with(&[""]).await;
     let lora_config = tmp.path().join("lora.toml");
-    std::fs::write(&lora_config, "[train.lora]\nrank = 4\nalpha = 8\ntarget_modules = [\"q_proj\", \"v_proj\"]\n").unwrap();
+    std::fs::write(
+        &lora_config,
+        "[train.lora]\nrank = 4\nalpha = 8\ntarget_modules = [\"q_proj\", \"v_proj\"]\n",
+    )
+    .unwrap();
     let lora = ["--config", lora_config.to_str().unwrap()];
     let replicated_config = tmp.path().join("replicated.toml");
     std::fs::write(&replicated_config, "[train]\nshard_optimizer = false\n").unwrap();
     let replicated = ["--config", replicated_config.to_str().unwrap()];
-    for (name, extra, weights) in [
-        ("sharded", &[][..], "model.safetensors"),
-        ("replicated", &replicated[..], "model.safetensors"),
-        ("lora", &lora[..], "adapter_model.safetensors"),
+    let bf16 = ["--dtype", "bfloat16"];
+    // bf16 weights: the fp32 masters agree as fp32 weights do; a master a hair from a
+    // rounding boundary may round to the neighbouring bf16 value (2^-8 relative).
+    for (name, extra, weights, tolerance) in [
+        ("sharded", &[][..], "model.safetensors", 1e-5),
+        ("replicated", &replicated[..], "model.safetensors", 1e-5),
+        ("lora", &lora[..], "adapter_model.safetensors", 1e-5),
+        ("bf16", &bf16[..], "model.safetensors", 2e-3),
     ] {
         let one = tmp.path().join(format!("{name}-one"));
         let two = tmp.path().join(format!("{name}-two"));
-        single(&train_args(&store, &format!("{name}-one"), model.path(), &one, extra));
-        let stdout = two_ranks(&train_args(&store, &format!("{name}-two"), model.path(), &two, extra));
-        assert!(stdout.contains("rank 1 of 2 finished its steps"), "{name}: {stdout}");
+        single(&train_args(
+            &store,
+            &format!("{name}-one"),
+            model.path(),
+            &one,
+            extra,
+        ));
+        let stdout = two_ranks(&train_args(
+            &store,
+            &format!("{name}-two"),
+            model.path(),
+            &two,
+            extra,
+        ));
+        assert!(
+            stdout.contains("rank 1 of 2 finished its steps"),
+            "{name}: {stdout}"
+        );
         let d = max_diff(&one.join(weights), &two.join(weights));
-        assert!(d <= 1e-5, "{name}: max |Δw| {d}");
+        println!("{name}: max |Δw| {d:.2e} between one process and two ranks");
+        assert!(d <= tolerance, "{name}: max |Δw| {d}");
         // The weights moved (the comparison is not between two untouched copies).
         if name != "lora" {
             let moved = max_diff(&model.path().join("model.safetensors"), &two.join(weights));
             assert!(moved > 5e-5, "{name}: the run changed nothing ({moved})");
         }
         // The optimizer state, gathered into the single-process format.
-        let s = max_diff(&one.join("optimizer.safetensors"), &two.join("optimizer.safetensors"));
-        assert!(s <= 1e-5, "{name}: optimizer state differs by {s}");
+        // (With bf16 weights the gradients themselves are bf16, summed in another order:
+        // the moments differ by bf16 rounding; the fp32 masters by under a sixth of
+        // the 3e-4 that three steps at lr 1e-4 can move a weight.)
+        let s = max_diff_of(
+            &one.join("optimizer.safetensors"),
+            &two.join("optimizer.safetensors"),
+            |n| name != "bf16" || n.ends_with(".master"),
+        );
+        let state_tolerance = if name == "bf16" { 5e-5 } else { 1e-5 };
+        // bf16 forward passes after the first step run on weights a rounding apart.
+        let metric_tolerance = if name == "bf16" { 1e-2 } else { 1e-4 };
+        assert!(
+            s <= state_tolerance,
+            "{name}: optimizer state differs by {s}"
+        );
 
-        let (m1, m2) = (read_json(&one.join("manifest.json")), read_json(&two.join("manifest.json")));
+        let (m1, m2) = (
+            read_json(&one.join("manifest.json")),
+            read_json(&two.join("manifest.json")),
+        );
         assert_eq!(m1["distributed"], Value::Null);
         let d = &m2["distributed"];
         assert_eq!(d["world_size"], 2, "{name}: {d}");
@@ -157,29 +249,49 @@ async fn two_ranks_give_the_checkpoint_of_one_process() {
         for (a, b) in steps.iter().zip(m2["steps"].as_array().unwrap()) {
             for key in ["loss", "grad_norm", "entropy"] {
                 let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-                assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{name} {key}: {x} vs {y}");
+                assert!(
+                    (x - y).abs() <= metric_tolerance * x.abs().max(1.0),
+                    "{name} {key}: {x} vs {y}"
+                );
             }
             assert_eq!(a["tokens"], b["tokens"]);
             assert_eq!(a["loss_tokens"], b["loss_tokens"]);
             assert!(b["comm"]["bytes"].as_u64().unwrap() > 0);
         }
         // An odd number of micro-batches: the ranks ran different counts, all of them.
-        let counts: Vec<u64> = ranks.iter().map(|r| r["micro_batches"].as_u64().unwrap()).collect();
+        let counts: Vec<u64> = ranks
+            .iter()
+            .map(|r| r["micro_batches"].as_u64().unwrap())
+            .collect();
         let micro = m1["report"]["batches"]["micro_batches"].as_u64();
         if let Some(total) = micro {
             assert_eq!(counts.iter().sum::<u64>(), total, "{name}: {counts:?}");
         }
-        assert_ne!(counts[0], counts[1], "{name}: {counts:?} (the test wants an odd count)");
-        let bytes: Vec<u64> = ranks.iter().map(|r| r["optimizer_state_bytes"].as_u64().unwrap()).collect();
+        assert_ne!(
+            counts[0], counts[1],
+            "{name}: {counts:?} (the test wants an odd count)"
+        );
+        let bytes: Vec<u64> = ranks
+            .iter()
+            .map(|r| r["optimizer_state_bytes"].as_u64().unwrap())
+            .collect();
         let whole = m1["compute"]["optimizer_state_bytes"].as_u64().unwrap();
         if name == "replicated" {
             assert_eq!(bytes, vec![whole, whole]);
         } else {
             let ratio = bytes[0] as f64 / whole as f64;
-            println!("{name}: optimizer bytes per rank {bytes:?} at world size 2, {whole} at 1 ({ratio:.3})");
-            assert!((0.49..=0.51).contains(&ratio), "{name}: {bytes:?} vs {whole}");
+            println!(
+                "{name}: optimizer bytes per rank {bytes:?} at world size 2, {whole} at 1 ({ratio:.3})"
+            );
+            assert!(
+                (0.49..=0.51).contains(&ratio),
+                "{name}: {bytes:?} vs {whole}"
+            );
         }
-        assert!(cursor_exists(&tmp.path().join("store"), &format!("{name}-two")));
+        assert!(cursor_exists(
+            &tmp.path().join("store"),
+            &format!("{name}-two")
+        ));
     }
 }
 
@@ -197,12 +309,26 @@ async fn a_two_rank_state_resumes_on_one_rank() {
     single(&train_args(&store, "b", model.path(), &b1, &[]));
     // A second batch lands; both continue on one process from their first run.
     let s = open_store(&store).unwrap();
-    common::traces::two_tasks("sc-late", "b-", T0 + 60_000_000_000).write(&s, 9).await;
+    common::traces::two_tasks("sc-late", "b-", T0 + 60_000_000_000)
+        .write(&s, 9)
+        .await;
     let a1s = a1.to_str().unwrap().to_owned();
     let b1s = b1.to_str().unwrap().to_owned();
-    let out = single(&train_args(&store, "a", model.path(), &a2, &["--resume", &a1s]));
+    let out = single(&train_args(
+        &store,
+        "a",
+        model.path(),
+        &a2,
+        &["--resume", &a1s],
+    ));
     assert!(out.contains("optimizer state resumed from"), "{out}");
-    single(&train_args(&store, "b", model.path(), &b2, &["--resume", &b1s]));
+    single(&train_args(
+        &store,
+        "b",
+        model.path(),
+        &b2,
+        &["--resume", &b1s],
+    ));
     let m = read_json(&a2.join("manifest.json"));
     assert_eq!(m["resumed"]["optimizer_step"], 3, "{}", m["resumed"]);
     let d = max_diff(&a2.join("model.safetensors"), &b2.join("model.safetensors"));
@@ -217,9 +343,19 @@ async fn a_dead_rank_fails_the_run_and_writes_nothing() {
     let model = model();
     let (tmp, store) = store_with(&["", "x-"]).await;
     let out = tmp.path().join("dead");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     // Three steps: rank 1 dies during the second.
-    let args = train_args(&store, "dead", model.path(), &out, &["--dist-timeout-secs", "20"]);
+    let args = train_args(
+        &store,
+        "dead",
+        model.path(),
+        &out,
+        &["--dist-timeout-secs", "20"],
+    );
     let start = |rank: usize| {
         trainer()
             .args(&args)
@@ -240,27 +376,43 @@ async fn a_dead_rank_fails_the_run_and_writes_nothing() {
     let reader = std::thread::spawn(move || {
         use std::io::BufRead as _;
         let mut lines = Vec::new();
-        let mut killed = false;
-        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
-            if !killed && line.starts_with("step 1/") {
+        let mut killed = None;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if killed.is_none() && line.starts_with("step 1/") {
                 let _ = rank1.kill();
-                let _ = rank1.wait();
-                killed = true;
+                killed = Some(std::time::Instant::now());
             }
             lines.push(line);
         }
+        let _ = rank1.kill();
+        let _ = rank1.wait();
         (lines, killed)
     });
-    let started = std::time::Instant::now();
     let status = rank0.wait().unwrap();
-    let elapsed = started.elapsed();
+    let exited = std::time::Instant::now();
     let (lines, killed) = reader.join().unwrap();
     let mut stderr = String::new();
     use std::io::Read as _;
-    rank0.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-    assert!(killed, "rank 0 never reported a step: {lines:?}\n{stderr}");
-    assert!(!status.success(), "rank 0 succeeded without its peer: {lines:?}");
-    assert!(elapsed < std::time::Duration::from_secs(60), "{elapsed:?}");
+    rank0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let killed =
+        killed.unwrap_or_else(|| panic!("rank 0 never reported a step: {lines:?}\n{stderr}"));
+    assert!(
+        !status.success(),
+        "rank 0 succeeded without its peer: {lines:?}"
+    );
+    // Within the 20 s timeout (a closed connection usually fails the next collective
+    // at once).
+    let after = exited - killed;
+    println!("rank 0 exited {after:?} after rank 1 was killed");
+    assert!(after < std::time::Duration::from_secs(25), "{after:?}");
     assert!(stderr.contains("failed on rank 0 of 2"), "{stderr}");
     assert!(!out.join("manifest.json").exists());
     assert!(!cursor_exists(&tmp.path().join("store"), "dead"));

@@ -240,9 +240,12 @@ impl Group {
             Some(attempt) => format!("/worker/attempt_{attempt}/tapline/"),
             None => "tapline/".to_owned(),
         };
-        let size = i32::try_from(launch.world_size)
-            .map_err(|_| Error::Environment(format!("WORLD_SIZE={} is too large", launch.world_size)))?;
-        let timeout_ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX).max(1);
+        let size = i32::try_from(launch.world_size).map_err(|_| {
+            Error::Environment(format!("WORLD_SIZE={} is too large", launch.world_size))
+        })?;
+        let timeout_ms = i64::try_from(timeout.as_millis())
+            .unwrap_or(i64::MAX)
+            .max(1);
         let inner = ffi::connect(
             backend.name(),
             &launch.master_addr,
@@ -302,7 +305,9 @@ impl Group {
 
     fn check(&self, what: &str, t: &Tensor) -> Result<(), Error> {
         if !t.is_contiguous() {
-            return Err(Error::Tensor(format!("{what}: the tensor is not contiguous")));
+            return Err(Error::Tensor(format!(
+                "{what}: the tensor is not contiguous"
+            )));
         }
         let wanted_cuda = self.backend == Backend::Nccl;
         if t.device().is_cuda() != wanted_cuda {
@@ -330,10 +335,8 @@ impl Group {
         // The bridge copies the handle (a reference count) before starting the work, so
         // the storage outlives the work even when this call returns on a timeout.
         #[allow(unsafe_code)]
-        unsafe {
-            ffi::all_reduce(&self.inner, tensor.as_ptr().cast(), op)
-        }
-        .map_err(self.failed("all_reduce"))
+        unsafe { ffi::all_reduce(&self.inner, tensor.as_ptr().cast(), op) }
+            .map_err(self.failed("all_reduce"))
     }
 
     /// Sums `input` (`size × n` elements, flat) over every rank and leaves rank `r`'s
@@ -351,10 +354,8 @@ impl Group {
         }
         // SAFETY: as in `all_reduce`.
         #[allow(unsafe_code)]
-        unsafe {
-            ffi::reduce_scatter(&self.inner, output.as_ptr().cast(), input.as_ptr().cast())
-        }
-        .map_err(self.failed("reduce_scatter"))
+        unsafe { ffi::reduce_scatter(&self.inner, output.as_ptr().cast(), input.as_ptr().cast()) }
+            .map_err(self.failed("reduce_scatter"))
     }
 
     /// Concatenates every rank's `input` (`n` elements) into `output` (`size × n`), in
@@ -372,10 +373,8 @@ impl Group {
         }
         // SAFETY: as in `all_reduce`.
         #[allow(unsafe_code)]
-        unsafe {
-            ffi::all_gather(&self.inner, output.as_ptr().cast(), input.as_ptr().cast())
-        }
-        .map_err(self.failed("all_gather"))
+        unsafe { ffi::all_gather(&self.inner, output.as_ptr().cast(), input.as_ptr().cast()) }
+            .map_err(self.failed("all_gather"))
     }
 
     /// Copies `root`'s `tensor` into every rank's.
@@ -383,10 +382,8 @@ impl Group {
         self.check("broadcast", tensor)?;
         // SAFETY: as in `all_reduce`.
         #[allow(unsafe_code)]
-        unsafe {
-            ffi::broadcast(&self.inner, tensor.as_ptr().cast(), root as i32)
-        }
-        .map_err(self.failed("broadcast"))
+        unsafe { ffi::broadcast(&self.inner, tensor.as_ptr().cast(), root as i32) }
+            .map_err(self.failed("broadcast"))
     }
 
     /// Returns once every rank called it.
@@ -480,8 +477,12 @@ mod tests {
         let ranks: Vec<_> = (0..2)
             .map(|rank| {
                 std::thread::spawn(move || {
-                    let g = Group::connect(&launch(rank, 2, port), Backend::Gloo, Duration::from_secs(30))
-                        .unwrap();
+                    let g = Group::connect(
+                        &launch(rank, 2, port),
+                        Backend::Gloo,
+                        Duration::from_secs(30),
+                    )
+                    .unwrap();
                     let r = rank as f32;
                     let t = Tensor::from_slice(&[1.0f32 + r, 10.0 * r, -r]);
                     g.all_reduce(&t, ReduceOp::Sum).unwrap();
@@ -500,9 +501,14 @@ mod tests {
                     let b = Tensor::from_slice(&[r + 7.0]);
                     g.broadcast(&b, 1).unwrap();
                     let broadcast = Vec::<f32>::try_from(&b).unwrap();
-                    let values = g.exchange("hello", format!("rank {rank}").as_bytes()).unwrap();
+                    let values = g
+                        .exchange("hello", format!("rank {rank}").as_bytes())
+                        .unwrap();
                     g.barrier().unwrap();
-                    let err = g.all_reduce(&Tensor::from_slice(&[1.0f32]).expand([2], false), ReduceOp::Sum);
+                    let err = g.all_reduce(
+                        &Tensor::from_slice(&[1.0f32]).expand([2], false),
+                        ReduceOp::Sum,
+                    );
                     assert!(err.unwrap_err().to_string().contains("not contiguous"));
                     (sum, max, scattered, gathered, broadcast, values)
                 })
@@ -513,7 +519,14 @@ mod tests {
             assert_eq!(sum, vec![3.0, 10.0, -1.0]);
             assert_eq!(max, vec![1.0, 0.0]);
             // Σ over ranks of [1,2,3,4]·(r+1) = [3,6,9,12]; rank r gets its half.
-            assert_eq!(scattered, if rank == 0 { vec![3.0, 6.0] } else { vec![9.0, 12.0] });
+            assert_eq!(
+                scattered,
+                if rank == 0 {
+                    vec![3.0, 6.0]
+                } else {
+                    vec![9.0, 12.0]
+                }
+            );
             assert_eq!(gathered, vec![0.0, 0.5, 1.0, 1.5]);
             assert_eq!(broadcast, vec![8.0]);
             assert_eq!(values, vec![b"rank 0".to_vec(), b"rank 1".to_vec()]);
@@ -529,6 +542,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("rendezvous failed on rank 0 of 2"), "{err}");
-        assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

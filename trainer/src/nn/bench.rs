@@ -156,6 +156,21 @@ pub struct BenchResult {
     pub bytes_per_parameter: f64,
     /// Peak GPU memory sampled with `nvidia-smi` (CUDA only).
     pub gpu_peak_memory_bytes_sampled: Option<u64>,
+    /// Ranks (1: one process; more under torchrun).
+    pub world_size: usize,
+    /// Distributed: `gloo` or `nccl`, and whether the optimizer state is sharded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Distributed: whether the AdamW state is sharded across the ranks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard_optimizer: Option<bool>,
+    /// Distributed: bytes rank 0 sent into collectives per measured step (median).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_bytes_per_step: Option<u64>,
+    /// Distributed: seconds rank 0 spent in collectives per measured step (median),
+    /// waiting for the slowest rank included.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm_seconds_per_step: Option<f64>,
 }
 
 /// Random sequences of `seq_len` tokens with loss on their second half.
@@ -214,7 +229,8 @@ pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) 
 }
 
 /// Runs `warmup + steps` optimizer steps of `sequences × seq_len` tokens each
-/// (one sequence per micro-batch).
+/// (one sequence per micro-batch; on a group, the ranks share the micro-batches of each
+/// step, so the tokens per step are the same at every world size).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     preset_name: &str,
@@ -226,7 +242,54 @@ pub fn run(
     steps: usize,
     options: &TrainOptions,
     peak: Option<f64>,
+    group: Option<&tapline_c10d::Group>,
     mut on_step: impl FnMut(usize, f64),
+) -> Result<BenchResult, String> {
+    let mut comm_bytes = Vec::new();
+    let mut comm_seconds = Vec::new();
+    let mut result = run_with(
+        preset_name,
+        device,
+        kind,
+        sequences,
+        seq_len,
+        warmup,
+        steps,
+        options,
+        peak,
+        group,
+        |i, secs, comm| {
+            if let (Some(c), true) = (comm, i >= warmup) {
+                comm_bytes.push(c.bytes);
+                comm_seconds.push(c.seconds);
+            }
+            on_step(i, secs);
+        },
+    )?;
+    if let Some(g) = group.filter(|g| g.size() > 1) {
+        comm_bytes.sort_unstable();
+        comm_seconds.sort_by(f64::total_cmp);
+        result.backend = Some(g.backend().name().into());
+        result.shard_optimizer = Some(options.shard_optimizer);
+        result.comm_bytes_per_step = comm_bytes.get(comm_bytes.len() / 2).copied();
+        result.comm_seconds_per_step = comm_seconds.get(comm_seconds.len() / 2).copied();
+    }
+    Ok(result)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_with(
+    preset_name: &str,
+    device: Device,
+    kind: Kind,
+    sequences: usize,
+    seq_len: usize,
+    warmup: usize,
+    steps: usize,
+    options: &TrainOptions,
+    peak: Option<f64>,
+    group: Option<&tapline_c10d::Group>,
+    mut on_step: impl FnMut(usize, f64, Option<super::dist::Comm>),
 ) -> Result<BenchResult, String> {
     let config = preset(preset_name).ok_or_else(|| {
         format!(
@@ -241,7 +304,19 @@ pub fn run(
         lora.validate()?;
         super::lora::attach_new(&mut model, lora, options.seed);
     }
-    let mut optimizer = options.optimizer(&mut model);
+    let group = group.filter(|g| g.size() > 1);
+    let mut optimizer: Box<dyn super::dist::Optimizer> = match group {
+        Some(g) if options.shard_optimizer => {
+            model.set_requires_grad(true);
+            Box::new(super::dist::ShardedAdamW::new(
+                model.trainable_parameters(),
+                options.adamw(),
+                g.rank(),
+                g.size(),
+            ))
+        }
+        _ => Box::new(options.optimizer(&mut model)),
+    };
     let trainable: i64 = model
         .trainable_parameters()
         .iter()
@@ -257,20 +332,22 @@ pub fn run(
     let mut times = Vec::new();
     for i in 0..warmup + steps {
         let started = Instant::now();
-        train::train(
+        let mut comm = None;
+        train::train_with(
             &mut model,
-            &mut optimizer,
+            optimizer.as_mut(),
             std::slice::from_ref(&batch),
             options,
             i as u64,
-            |_| {},
+            group,
+            |m| comm = m.comm,
         )
         .map_err(|e| e.to_string())?;
         if let Device::Cuda(_) = device {
             tch::Cuda::synchronize(0);
         }
         let secs = started.elapsed().as_secs_f64();
-        on_step(i, secs);
+        on_step(i, secs, comm);
         if i >= warmup {
             times.push(secs);
         }
@@ -306,5 +383,10 @@ pub fn run(
         .into(),
         bytes_per_parameter: gpu_peak.unwrap_or(peak_rss) as f64 / parameters as f64,
         gpu_peak_memory_bytes_sampled: gpu_peak,
+        world_size: group.map_or(1, |g| g.size()),
+        backend: None,
+        shard_optimizer: None,
+        comm_bytes_per_step: None,
+        comm_seconds_per_step: None,
     })
 }

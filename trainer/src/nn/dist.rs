@@ -80,7 +80,11 @@ pub trait Optimizer {
     /// Makes the gradients the sum over the group's ranks (nothing without a group),
     /// clips them to the global norm `max_norm` (0: no clipping) and returns the norm
     /// before clipping.
-    fn reduce_and_clip(&mut self, max_norm: f64, group: Option<&Group>) -> Result<f64, tapline_c10d::Error>;
+    fn reduce_and_clip(
+        &mut self,
+        max_norm: f64,
+        group: Option<&Group>,
+    ) -> Result<f64, tapline_c10d::Error>;
     /// One AdamW step at `lr`; every rank ends with the same parameters.
     fn apply(&mut self, lr: f64, group: Option<&Group>) -> Result<(), tapline_c10d::Error>;
     /// Bytes of optimizer state this rank holds.
@@ -110,7 +114,11 @@ impl Optimizer for AdamW {
         self.zero_grad();
     }
 
-    fn reduce_and_clip(&mut self, max_norm: f64, group: Option<&Group>) -> Result<f64, tapline_c10d::Error> {
+    fn reduce_and_clip(
+        &mut self,
+        max_norm: f64,
+        group: Option<&Group>,
+    ) -> Result<f64, tapline_c10d::Error> {
         if let Some(group) = group.filter(|g| g.size() > 1) {
             let params: Vec<Tensor> = self.parameters().collect();
             define_grads(&params);
@@ -137,13 +145,19 @@ impl Optimizer for AdamW {
 }
 
 /// Sums `tensors` over the group in place, [`BUCKET`] elements per call, in fp32.
-fn all_reduce_buckets(group: &Group, tensors: &[Tensor], comm: &mut Comm) -> Result<(), tapline_c10d::Error> {
+fn all_reduce_buckets(
+    group: &Group,
+    tensors: &[Tensor],
+    comm: &mut Comm,
+) -> Result<(), tapline_c10d::Error> {
     tch::no_grad(|| {
         let mut start = 0;
         while start < tensors.len() {
             let mut end = start;
             let mut size = 0;
-            while end < tensors.len() && (end == start || size + tensors[end].numel() as i64 <= BUCKET) {
+            while end < tensors.len()
+                && (end == start || size + tensors[end].numel() as i64 <= BUCKET)
+            {
                 size += tensors[end].numel() as i64;
                 end += 1;
             }
@@ -228,7 +242,12 @@ impl ShardedAdamW {
             let (a, b) = (offsets[i], offsets[i] + p.numel() as i64);
             let (s, e) = (a.max(lo), b.min(hi));
             if s < e {
-                pieces.push(Piece { param: i, start: s - a, at: s - lo, len: e - s });
+                pieces.push(Piece {
+                    param: i,
+                    start: s - a,
+                    at: s - lo,
+                    len: e - s,
+                });
             }
         }
         let zeros = || Tensor::zeros([shard.max(1)], (Kind::Float, device));
@@ -241,9 +260,9 @@ impl ShardedAdamW {
                     for piece in &pieces {
                         let p = &params[piece.param].1;
                         if p.kind() != Kind::Float {
-                            let _ = master
-                                .narrow(0, piece.at, piece.len)
-                                .f_copy_(&p.detach().reshape([-1]).narrow(0, piece.start, piece.len));
+                            let _ = master.narrow(0, piece.at, piece.len).f_copy_(
+                                &p.detach().reshape([-1]).narrow(0, piece.start, piece.len),
+                            );
                         }
                     }
                 });
@@ -289,7 +308,10 @@ impl ShardedAdamW {
             }
             let source = if grad { p.grad() } else { p.detach() };
             parts.push(if source.defined() {
-                source.reshape([-1]).narrow(0, s - a, e - s).to_kind(Kind::Float)
+                source
+                    .reshape([-1])
+                    .narrow(0, s - a, e - s)
+                    .to_kind(Kind::Float)
             } else {
                 Tensor::zeros([e - s], (Kind::Float, device))
             });
@@ -324,9 +346,16 @@ impl ShardedAdamW {
 
     /// Writes the whole state in the single-process format into `dir` on rank 0 (every
     /// rank must call it: the shards are gathered). `None` on other ranks.
-    pub fn save_state(&mut self, dir: &std::path::Path, group: &Group) -> Result<Option<StateInfo>, DistStateError> {
+    pub fn save_state(
+        &mut self,
+        dir: &std::path::Path,
+        group: &Group,
+    ) -> Result<Option<StateInfo>, DistStateError> {
         let full = |shard: &Tensor, comm: &mut Comm| -> Result<Tensor, tapline_c10d::Error> {
-            let out = Tensor::zeros([self.shard.max(1) * self.world as i64], (Kind::Float, shard.device()));
+            let out = Tensor::zeros(
+                [self.shard.max(1) * self.world as i64],
+                (Kind::Float, shard.device()),
+            );
             comm.time(self.shard * 4, || group.all_gather(&out, shard))?;
             Ok(out)
         };
@@ -353,11 +382,19 @@ impl ShardedAdamW {
                     param: p.shallow_clone(),
                     m: take(&m),
                     v: take(&v),
-                    master: master.as_ref().filter(|_| p.kind() != Kind::Float).map(take),
+                    master: master
+                        .as_ref()
+                        .filter(|_| p.kind() != Kind::Float)
+                        .map(take),
                 }
             })
             .collect();
-        let info = optim::write_state(dir, self.steps, [self.beta1, self.beta2, self.eps, self.weight_decay], &entries)?;
+        let info = optim::write_state(
+            dir,
+            self.steps,
+            [self.beta1, self.beta2, self.eps, self.weight_decay],
+            &entries,
+        )?;
         Ok(Some(info))
     }
 
@@ -377,7 +414,11 @@ impl ShardedAdamW {
             let device = self.m.device();
             for piece in &self.pieces {
                 let (m, v, master) = &loaded[piece.param];
-                let part = |t: &Tensor| t.reshape([-1]).narrow(0, piece.start, piece.len).to_device(device);
+                let part = |t: &Tensor| {
+                    t.reshape([-1])
+                        .narrow(0, piece.start, piece.len)
+                        .to_device(device)
+                };
                 let _ = self.m.narrow(0, piece.at, piece.len).f_copy_(&part(m));
                 let _ = self.v.narrow(0, piece.at, piece.len).f_copy_(&part(v));
                 if let (Some(mine), Some(saved)) = (&self.master, master)
@@ -411,7 +452,11 @@ impl Optimizer for ShardedAdamW {
         }
     }
 
-    fn reduce_and_clip(&mut self, max_norm: f64, group: Option<&Group>) -> Result<f64, tapline_c10d::Error> {
+    fn reduce_and_clip(
+        &mut self,
+        max_norm: f64,
+        group: Option<&Group>,
+    ) -> Result<f64, tapline_c10d::Error> {
         let b = self.bucket();
         let mut comm = self.comm;
         tch::no_grad(|| -> Result<(), tapline_c10d::Error> {
@@ -426,7 +471,9 @@ impl Optimizer for ShardedAdamW {
                 );
                 let mut out = self.grad.narrow(0, o, len);
                 match group {
-                    Some(g) => comm.time(input.numel() as i64 * 4, || g.reduce_scatter(&out, &input))?,
+                    Some(g) => {
+                        comm.time(input.numel() as i64 * 4, || g.reduce_scatter(&out, &input))?
+                    }
                     None => {
                         let _ = out.f_copy_(&input);
                     }
@@ -449,13 +496,24 @@ impl Optimizer for ShardedAdamW {
 
     fn apply(&mut self, lr: f64, group: Option<&Group>) -> Result<(), tapline_c10d::Error> {
         self.steps += 1;
-        let h = Hyper::new(self.beta1, self.beta2, self.eps, self.weight_decay, lr, self.steps);
+        let h = Hyper::new(
+            self.beta1,
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+            lr,
+            self.steps,
+        );
         tch::no_grad(|| {
             for piece in &self.pieces {
                 let p = &self.params[piece.param].1;
                 let param = p.detach().reshape([-1]).narrow(0, piece.start, piece.len);
                 let part = |t: &Tensor| t.narrow(0, piece.at, piece.len);
-                let master = self.master.as_ref().filter(|_| p.kind() != Kind::Float).map(part);
+                let master = self
+                    .master
+                    .as_ref()
+                    .filter(|_| p.kind() != Kind::Float)
+                    .map(part);
                 optim::update(
                     master.as_ref().unwrap_or(&param),
                     master.is_some().then_some(&param),
@@ -525,12 +583,21 @@ mod tests {
     fn one_shard_is_plain_adamw() {
         let make = || {
             (
-                Tensor::from_slice(&[0.3f32, -1.2, 2.5]).to_kind(Kind::BFloat16).set_requires_grad(true),
+                Tensor::from_slice(&[0.3f32, -1.2, 2.5])
+                    .to_kind(Kind::BFloat16)
+                    .set_requires_grad(true),
                 Tensor::from_slice(&[0.7f32, 0.1]).set_requires_grad(true),
             )
         };
-        let named = |a: &Tensor, b: &Tensor| vec![("a".to_owned(), a.shallow_clone()), ("b".to_owned(), b.shallow_clone())];
-        let loss = |a: &Tensor, b: &Tensor| a.to_kind(Kind::Float).square().sum(Kind::Float) + (b * b * b).sum(Kind::Float);
+        let named = |a: &Tensor, b: &Tensor| {
+            vec![
+                ("a".to_owned(), a.shallow_clone()),
+                ("b".to_owned(), b.shallow_clone()),
+            ]
+        };
+        let loss = |a: &Tensor, b: &Tensor| {
+            a.to_kind(Kind::Float).square().sum(Kind::Float) + (b * b * b).sum(Kind::Float)
+        };
         let (a1, b1) = make();
         let mut plain = AdamW::new(named(&a1, &b1), 0.9, 0.999, 1e-8, 0.1);
         let (a2, b2) = make();

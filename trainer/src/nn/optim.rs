@@ -174,7 +174,14 @@ pub(crate) struct Hyper {
 
 impl Hyper {
     /// For step `steps` (1-based, after counting this one).
-    pub(crate) fn new(beta1: f64, beta2: f64, eps: f64, weight_decay: f64, lr: f64, steps: u64) -> Self {
+    pub(crate) fn new(
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        lr: f64,
+        steps: u64,
+    ) -> Self {
         let t = i32::try_from(steps).unwrap_or(i32::MAX);
         Hyper {
             beta1,
@@ -340,7 +347,14 @@ impl AdamW {
     /// on the fp32 master where there is one, then copied (rounded) into the parameter.
     pub fn step(&mut self, lr: f64) {
         self.steps += 1;
-        let hyper = Hyper::new(self.beta1, self.beta2, self.eps, self.weight_decay, lr, self.steps);
+        let hyper = Hyper::new(
+            self.beta1,
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+            lr,
+            self.steps,
+        );
         tch::no_grad(|| {
             for s in &mut self.slots {
                 let grad = s.param.grad();
@@ -376,7 +390,12 @@ impl AdamW {
                 master: s.master.as_ref().map(Tensor::shallow_clone),
             })
             .collect();
-        write_state(dir, self.steps, [self.beta1, self.beta2, self.eps, self.weight_decay], &entries)
+        write_state(
+            dir,
+            self.steps,
+            [self.beta1, self.beta2, self.eps, self.weight_decay],
+            &entries,
+        )
     }
 
     /// Resumes from the state in `dir`: moments, masters and step count. The state must

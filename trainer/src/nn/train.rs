@@ -27,13 +27,13 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use super::dist::{self, Comm, Optimizer};
 use super::lora::LoraOptions;
 use super::loss::{self, LossOptions, LossStats, PolicyLoss, TokenInputs};
 use super::model::Transformer;
-use super::dist::{self, Comm, Optimizer};
 use super::optim::{AdamW, LrSchedule, learning_rate};
-use tapline_c10d::{Group, ReduceOp};
 use crate::batch::{MicroBatch, MiniBatch};
+use tapline_c10d::{Group, ReduceOp};
 
 /// Settings of the update (section `[train]` of the run configuration).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -589,7 +589,15 @@ pub fn train(
     first_step: u64,
     on_step: impl FnMut(&StepMetrics),
 ) -> Result<TrainResult, TrainError> {
-    train_with(model, optimizer, mini_batches, options, first_step, None, on_step)
+    train_with(
+        model,
+        optimizer,
+        mini_batches,
+        options,
+        first_step,
+        None,
+        on_step,
+    )
 }
 
 /// [`train`] with any [`Optimizer`], on one rank of `group` when given: this rank runs
@@ -684,7 +692,11 @@ pub fn train_with(
             for (m, micro) in mb.micro_batches.iter().enumerate() {
                 // The whole mini-batch's counts on every rank; the model runs on this
                 // rank's share.
-                tokens += micro.sequences.iter().map(|s| s.sequence.len() as u64).sum::<u64>();
+                tokens += micro
+                    .sequences
+                    .iter()
+                    .map(|s| s.sequence.len() as u64)
+                    .sum::<u64>();
                 sequences += micro.sequences.len() as u64;
                 for s in &micro.sequences {
                     rewards.insert(s.episode_id.clone(), s.reward);
@@ -804,8 +816,16 @@ fn reduce_stats(
     ]);
     let empty = stats.tokens == 0.0;
     let extremes = Tensor::from_slice(&[
-        if empty { f64::NEG_INFINITY } else { stats.ratio_max },
-        if empty { f64::NEG_INFINITY } else { -stats.ratio_min },
+        if empty {
+            f64::NEG_INFINITY
+        } else {
+            stats.ratio_max
+        },
+        if empty {
+            f64::NEG_INFINITY
+        } else {
+            -stats.ratio_min
+        },
     ]);
     group.all_reduce(&sums, ReduceOp::Sum)?;
     group.all_reduce(&extremes, ReduceOp::Max)?;

@@ -347,4 +347,3 @@ pub fn two_tasks(sidecar: &str, prefix: &str, t0: i64) -> Trace {
     }
     t
 }
-
