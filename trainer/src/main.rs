@@ -739,7 +739,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     if args.follow {
         anyhow::ensure!(
             launch.is_none(),
-            "--follow runs in one process: run distributed training as one job per batch (a Kubernetes Job or CronJob starting torchrun, see docs/deploy.md), or unset WORLD_SIZE"
+            "--follow runs in one process: run distributed training as one job per batch (a Kubernetes Job or CronJob starting torchrun, see examples/deploy/README.md), or unset WORLD_SIZE"
         );
         return follow(args);
     }
