@@ -809,17 +809,27 @@ fn check_same_batches(
     group: &tapline_c10d::Group,
     mini_batches: &[tapline_trainer::batch::MiniBatch],
 ) -> anyhow::Result<()> {
-    let mut text = String::new();
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
     for mb in mini_batches {
         for micro in &mb.micro_batches {
             for s in &micro.sequences {
-                text.push_str(&format!("{}:{:?};", s.episode_id, s.sequence.token_ids));
+                hasher.update(s.episode_id.as_bytes());
+                hasher.update(b":");
+                for id in &s.sequence.token_ids {
+                    hasher.update(id.to_le_bytes());
+                }
+                hasher.update(b";");
             }
-            text.push('|');
+            hasher.update(b"|");
         }
-        text.push('\n');
+        hasher.update(b"\n");
     }
-    let digest = ingest::sha256_hex(text.as_bytes());
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let all = group.exchange("batches", digest.as_bytes())?;
     if let Some(r) = all.iter().position(|d| d != digest.as_bytes()) {
         anyhow::bail!(

@@ -8,6 +8,10 @@
 //!   runs each for N seconds (`cargo xtask test` runs each for 5).
 //! - `cargo xtask docs [--check]`: `docs/reference.md`, every flag and `run.toml` key,
 //!   generated from the code; `cargo xtask test` checks it is up to date.
+//! - `cargo xtask bench-dist [--preset P --sequences N --seq-len N --steps N]`:
+//!   `bench-update` under torchrun at 1 and 2 ranks (Gloo on CPU, sharded and replicated
+//!   optimizer): tokens/s, communication per step, optimizer memory per rank, with the
+//!   ratios to the one-rank run.
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
 //!   training steps of 0.5B, 1.7B and 8B Qwen-shaped models (random weights) with bf16 on
 //!   CUDA, full fine-tune and LoRA (LoRA only for 8B, whose full update does not fit one
@@ -37,6 +41,8 @@ commands:
   demo       run the closed training loop on this machine (flags: --iterations N
              --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
+  bench-dist data-parallel update under torchrun, 1 vs 2 ranks on CPU (flags:
+             --preset P --sequences N --seq-len N --steps N)
   fuzz       build the fuzz targets and run each (flags: --secs N, default 60;
              --target NAME; --sanitizer address)
   docs       write docs/reference.md (every flag and run.toml key) from the code
@@ -50,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Some("test") => test(&root, &args[1..]),
         Some("demo") => demo::demo(&root, &args[1..]),
         Some("gpu-check") => gpu_check(&root, &args[1..]),
+        Some("bench-dist") => bench_dist(&root, &args[1..]),
         Some("fuzz") => {
             let run = fuzz::parse(&args[1..])?;
             let assets = step("test assets", || ensure_assets(&root))?;
@@ -151,6 +158,92 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `cargo xtask bench-dist`: `bench-update` of one model under torchrun with 1 rank and
+/// with 2 (sharded, then replicated optimizer), the same tokens per step each time;
+/// prints each run's JSON and a table of medians and ratios to the one-rank run.
+fn bench_dist(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    let flag = |name: &str, default: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .map_or(default.to_owned(), Clone::clone)
+    };
+    let (preset, sequences, seq_len, steps) = (
+        flag("--preset", "smollm2-135m"),
+        flag("--sequences", "4"),
+        flag("--seq-len", "256"),
+        flag("--steps", "5"),
+    );
+    let python = step("python environment (torch)", || ensure_venv(root))?;
+    step("cargo build --release -p tapline-trainer", || {
+        run(torch_env(
+            Command::new("cargo").args(["build", "--release", "-p", "tapline-trainer"]),
+            &python,
+        ))
+    })?;
+    let trainer = root.join("target/release/tapline-trainer");
+    let torchrun = python
+        .parent()
+        .map(|b| b.join("torchrun"))
+        .unwrap_or_default();
+    let mut rows: Vec<(String, serde_json::Value)> = Vec::new();
+    for (ranks, replicate) in [(1, false), (2, false), (2, true)] {
+        let name = match (ranks, replicate) {
+            (1, _) => "1 rank".to_owned(),
+            (n, false) => format!("{n} ranks, sharded optimizer"),
+            (n, true) => format!("{n} ranks, replicated optimizer"),
+        };
+        let out = step(&format!("bench-update {preset}, {name}"), || {
+            let mut cmd = Command::new(&torchrun);
+            cmd.args(["--standalone", "--nproc-per-node", &ranks.to_string()])
+                .args(["--no-python", "--"])
+                .arg(&trainer)
+                .args(["bench-update", "--preset", &preset, "--device", "cpu"])
+                .args(["--sequences", &sequences, "--seq-len", &seq_len])
+                .args(["--warmup", "1", "--steps", &steps])
+                // torchrun gives each rank one thread by default; the same for one rank,
+                // so the comparison is of the parallelism, not of thread counts.
+                .env("OMP_NUM_THREADS", "1");
+            if replicate {
+                cmd.arg("--replicate-optimizer");
+            }
+            let out = cmd.output().with_context(|| format!("cannot start {cmd:?}"))?;
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            print!("{stdout}");
+            if !out.status.success() {
+                bail!("{cmd:?} exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+            }
+            let json = stdout
+                .lines()
+                .rev()
+                .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .context("bench-update printed no JSON result")?;
+            Ok(json)
+        })?;
+        rows.push((name, out));
+    }
+    let base = rows[0].1["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
+    let base_state = rows[0].1["optimizer_state_bytes"].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "\n{preset}, {sequences} x {seq_len} tokens per step, median of {steps} steps, one thread per rank"
+    );
+    println!("| run | tokens/s | vs 1 rank | comm MB/step (rank 0) | comm s/step | optimizer MB/rank | vs 1 rank |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, r) in &rows {
+        let tps = r["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
+        let state = r["optimizer_state_bytes"].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {name} | {tps:.0} | {:.2}x | {:.1} | {:.3} | {:.1} | {:.2}x |",
+            tps / base,
+            r["comm_bytes_per_step"].as_f64().unwrap_or(0.0) / 1e6,
+            r["comm_seconds_per_step"].as_f64().unwrap_or(0.0),
+            state / 1e6,
+            state / base_state,
+        );
+    }
+    Ok(())
+}
+
 fn step<T>(name: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     eprintln!("xtask: == {name}");
     let started = Instant::now();
@@ -169,9 +262,11 @@ pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `cargo xtask gpu-check [-- extra bench-update flags]`: release build of the trainer,
-/// then `tapline-trainer bench-update` on CUDA for Qwen2.5-0.5B, Qwen3-1.7B and Qwen3-8B
-/// shapes, full and LoRA (rank 16).
+/// `cargo xtask gpu-check [-- extra bench-update flags]`: release build of the trainer;
+/// the c10d bridge's tests (its NCCL backend on the GPU); with two GPUs or more,
+/// `bench-update` under torchrun on all of them (NCCL, sharded and replicated
+/// optimizer); then `tapline-trainer bench-update` on CUDA for Qwen2.5-0.5B, Qwen3-1.7B
+/// and Qwen3-8B shapes, full and LoRA (rank 16).
 fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let python = step("python environment (torch)", || ensure_venv(root))?;
     step("cargo build --release -p tapline-trainer", || {
@@ -181,6 +276,36 @@ fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         ))
     })?;
     let trainer = root.join("target/release/tapline-trainer");
+    let gpus = Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().count())
+        .unwrap_or(0);
+    step("c10d's NCCL backend on the GPU (cargo test -p tapline-c10d)", || {
+        run(torch_env(Command::new("cargo").args(["test", "--release", "-p", "tapline-c10d"]), &python)
+            .args(["--", "--nocapture"]))
+    })?;
+    if gpus >= 2 {
+        let torchrun = python.parent().map(|b| b.join("torchrun")).unwrap_or_default();
+        for replicate in [false, true] {
+            let name = format!(
+                "bench-update qwen2.5-0.5b full on {gpus} GPUs under torchrun (NCCL, optimizer {})",
+                if replicate { "replicated" } else { "sharded" }
+            );
+            step(&name, || {
+                let mut cmd = Command::new(&torchrun);
+                cmd.args(["--standalone", "--nproc-per-node", &gpus.to_string(), "--no-python", "--"])
+                    .arg(&trainer)
+                    .args(["bench-update", "--preset", "qwen2.5-0.5b", "--device", "cuda"])
+                    .args(["--sequences", &(4 * gpus).to_string(), "--seq-len", "2048"])
+                    .args(["--warmup", "2", "--steps", "5"]);
+                if replicate {
+                    cmd.arg("--replicate-optimizer");
+                }
+                run(&mut cmd)
+            })?;
+        }
+    }
     let extra: Vec<&String> = extra.iter().filter(|a| *a != "--").collect();
     let device = extra
         .iter()

@@ -533,6 +533,34 @@ mod tests {
         }
     }
 
+    /// The NCCL backend where this build has it: on a machine with a GPU a one-rank
+    /// group sums a CUDA tensor; without one, making the group or using it fails with an
+    /// error (never a crash), and a CPU tensor is refused before reaching NCCL.
+    #[test]
+    fn nccl_groups_take_cuda_tensors_only() {
+        if !Backend::nccl_built() {
+            eprintln!("this build has no NCCL backend (no CUDA headers at build time)");
+            return;
+        }
+        let port = free_port();
+        match Group::connect(&launch(0, 1, port), Backend::Nccl, Duration::from_secs(20)) {
+            Ok(g) => {
+                let cpu = Tensor::from_slice(&[1.0f32]);
+                let e = g.all_reduce(&cpu, ReduceOp::Sum).unwrap_err().to_string();
+                assert!(e.contains("in a nccl group"), "{e}");
+                if tch::Cuda::is_available() {
+                    let t = Tensor::from_slice(&[2.0f32]).to_device(tch::Device::Cuda(0));
+                    g.all_reduce(&t, ReduceOp::Sum).unwrap();
+                    assert_eq!(Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap(), vec![2.0]);
+                }
+            }
+            Err(e) => {
+                assert!(!tch::Cuda::is_available(), "NCCL group failed with a GPU: {e}");
+                eprintln!("no GPU: {e}");
+            }
+        }
+    }
+
     /// A rank that never arrives: the other fails within the timeout, naming the call.
     #[test]
     fn a_missing_peer_is_an_error_within_the_timeout() {

@@ -778,7 +778,14 @@ pub fn train_with(
             on_step(&metrics);
             result.steps.push(metrics);
             step += 1;
-            if stop {
+            // One process also sees a signal that came during the step; ranks keep the
+            // decision they all agreed on.
+            if stop
+                || (group.is_none()
+                    && options
+                        .stop
+                        .is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)))
+            {
                 break 'epochs;
             }
         }
