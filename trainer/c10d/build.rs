@@ -46,6 +46,7 @@ fn main() {
     println!("cargo:rustc-link-lib=c10");
     if lib.join("libtorch_cuda.so").is_file() {
         println!("cargo:rustc-link-lib=torch_cuda");
+        println!("cargo:rustc-link-lib=c10_cuda");
     }
 }
 

@@ -166,6 +166,21 @@ def legacy_rope(config_file: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def copy_tokenizer(source: Path, out: Path) -> None:
+    """Copies the tokenizer and chat-template files of model directory `source`."""
+    import shutil
+
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+
+
 def tiny(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -184,17 +199,7 @@ def tiny(args) -> None:
     if args.legacy_rope:
         legacy_rope(args.out / "config.json")
     if args.tokenizer_from:
-        import shutil
-
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "chat_template.jinja",
-            "special_tokens_map.json",
-            "generation_config.json",
-        ):
-            if (args.tokenizer_from / name).is_file():
-                shutil.copyfile(args.tokenizer_from / name, args.out / name)
+        copy_tokenizer(args.tokenizer_from, args.out)
     for file in args.out.iterdir():
         file.chmod(0o644)  # transformers writes the weights through 0600 temporary files
     params = sum(p.numel() for p in model.parameters())
@@ -311,17 +316,7 @@ def peft_merge(args) -> None:
     model = peft_model(args).merge_and_unload()
     model.save_pretrained(args.out)
     if args.tokenizer_from:
-        import shutil
-
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "chat_template.jinja",
-            "special_tokens_map.json",
-            "generation_config.json",
-        ):
-            if (args.tokenizer_from / name).is_file():
-                shutil.copyfile(args.tokenizer_from / name, args.out / name)
+        copy_tokenizer(args.tokenizer_from, args.out)
     for file in args.out.iterdir():
         file.chmod(0o644)
     log(f"wrote the merged model to {args.out}")

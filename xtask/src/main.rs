@@ -175,13 +175,7 @@ fn bench_dist(root: &Path, args: &[String]) -> anyhow::Result<()> {
         flag("--steps", "5"),
     );
     let python = step("python environment (torch)", || ensure_venv(root))?;
-    step("cargo build --release -p tapline-trainer", || {
-        run(torch_env(
-            Command::new("cargo").args(["build", "--release", "-p", "tapline-trainer"]),
-            &python,
-        ))
-    })?;
-    let trainer = root.join("target/release/tapline-trainer");
+    let trainer = build_release_trainer(root, &python)?;
     let torchrun = python
         .parent()
         .map(|b| b.join("torchrun"))
@@ -207,11 +201,17 @@ fn bench_dist(root: &Path, args: &[String]) -> anyhow::Result<()> {
             if replicate {
                 cmd.arg("--replicate-optimizer");
             }
-            let out = cmd.output().with_context(|| format!("cannot start {cmd:?}"))?;
+            let out = cmd
+                .output()
+                .with_context(|| format!("cannot start {cmd:?}"))?;
             let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
             print!("{stdout}");
             if !out.status.success() {
-                bail!("{cmd:?} exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+                bail!(
+                    "{cmd:?} exited with {}: {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
             let json = stdout
                 .lines()
@@ -223,11 +223,15 @@ fn bench_dist(root: &Path, args: &[String]) -> anyhow::Result<()> {
         rows.push((name, out));
     }
     let base = rows[0].1["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
-    let base_state = rows[0].1["optimizer_state_bytes"].as_f64().unwrap_or(f64::NAN);
+    let base_state = rows[0].1["optimizer_state_bytes"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
     println!(
         "\n{preset}, {sequences} x {seq_len} tokens per step, median of {steps} steps, one thread per rank"
     );
-    println!("| run | tokens/s | vs 1 rank | comm MB/step (rank 0) | comm s/step | optimizer MB/rank | vs 1 rank |");
+    println!(
+        "| run | tokens/s | vs 1 rank | comm MB/step (rank 0) | comm s/step | optimizer MB/rank | vs 1 rank |"
+    );
     println!("|---|---|---|---|---|---|---|");
     for (name, r) in &rows {
         let tps = r["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
@@ -242,6 +246,17 @@ fn bench_dist(root: &Path, args: &[String]) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// `cargo build --release -p tapline-trainer` with the venv's libtorch; its path.
+fn build_release_trainer(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
+    step("cargo build --release -p tapline-trainer", || {
+        run(torch_env(
+            Command::new("cargo").args(["build", "--release", "-p", "tapline-trainer"]),
+            python,
+        ))
+    })?;
+    Ok(root.join("target/release/tapline-trainer"))
 }
 
 fn step<T>(name: &str, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
@@ -269,24 +284,27 @@ pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
 /// and Qwen3-8B shapes, full and LoRA (rank 16).
 fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let python = step("python environment (torch)", || ensure_venv(root))?;
-    step("cargo build --release -p tapline-trainer", || {
-        run(torch_env(
-            Command::new("cargo").args(["build", "--release", "-p", "tapline-trainer"]),
-            &python,
-        ))
-    })?;
-    let trainer = root.join("target/release/tapline-trainer");
+    let trainer = build_release_trainer(root, &python)?;
     let gpus = Command::new("nvidia-smi")
         .arg("-L")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).lines().count())
         .unwrap_or(0);
-    step("c10d's NCCL backend on the GPU (cargo test -p tapline-c10d)", || {
-        run(torch_env(Command::new("cargo").args(["test", "--release", "-p", "tapline-c10d"]), &python)
+    step(
+        "c10d's NCCL backend on the GPU (cargo test -p tapline-c10d)",
+        || {
+            run(torch_env(
+                Command::new("cargo").args(["test", "--release", "-p", "tapline-c10d"]),
+                &python,
+            )
             .args(["--", "--nocapture"]))
-    })?;
+        },
+    )?;
     if gpus >= 2 {
-        let torchrun = python.parent().map(|b| b.join("torchrun")).unwrap_or_default();
+        let torchrun = python
+            .parent()
+            .map(|b| b.join("torchrun"))
+            .unwrap_or_default();
         for replicate in [false, true] {
             let name = format!(
                 "bench-update qwen2.5-0.5b full on {gpus} GPUs under torchrun (NCCL, optimizer {})",
@@ -294,11 +312,23 @@ fn gpu_check(root: &Path, extra: &[String]) -> anyhow::Result<()> {
             );
             step(&name, || {
                 let mut cmd = Command::new(&torchrun);
-                cmd.args(["--standalone", "--nproc-per-node", &gpus.to_string(), "--no-python", "--"])
-                    .arg(&trainer)
-                    .args(["bench-update", "--preset", "qwen2.5-0.5b", "--device", "cuda"])
-                    .args(["--sequences", &(4 * gpus).to_string(), "--seq-len", "2048"])
-                    .args(["--warmup", "2", "--steps", "5"]);
+                cmd.args([
+                    "--standalone",
+                    "--nproc-per-node",
+                    &gpus.to_string(),
+                    "--no-python",
+                    "--",
+                ])
+                .arg(&trainer)
+                .args([
+                    "bench-update",
+                    "--preset",
+                    "qwen2.5-0.5b",
+                    "--device",
+                    "cuda",
+                ])
+                .args(["--sequences", &(4 * gpus).to_string(), "--seq-len", "2048"])
+                .args(["--warmup", "2", "--steps", "5"]);
                 if replicate {
                     cmd.arg("--replicate-optimizer");
                 }

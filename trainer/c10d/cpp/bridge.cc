@@ -4,6 +4,7 @@
 // its tensor after a timeout.
 #include "tapline-c10d/cpp/bridge.h"
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -44,7 +45,7 @@ c10d::ReduceOp reduce_op(uint8_t op) {
 
 std::unique_ptr<Group> connect(rust::Str backend, rust::Str host, uint16_t port,
                                bool agent_store, rust::Str prefix, int32_t rank,
-                               int32_t size, int64_t timeout_ms) {
+                               int32_t size, int32_t local_rank, int64_t timeout_ms) {
   auto timeout = std::chrono::milliseconds(timeout_ms);
   c10d::TCPStoreOptions options;
   options.port = port;
@@ -62,13 +63,29 @@ std::unique_ptr<Group> connect(rust::Str backend, rust::Str host, uint16_t port,
   std::string name(backend);
   if (name == "gloo") {
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-    // As torch.distributed with GLOO_SOCKET_IFNAME unset: this host's address, or
-    // loopback when its name does not resolve.
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    // As torch.distributed: the interfaces GLOO_SOCKET_IFNAME names (comma-separated),
+    // else this host's address, or loopback when its name does not resolve.
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifname != nullptr && *ifname != '\0') {
+      std::string names(ifname);
+      size_t start = 0;
+      while (start <= names.size()) {
+        size_t end = names.find(',', start);
+        if (end == std::string::npos) end = names.size();
+        if (end > start) {
+          gloo_options->devices.push_back(
+              c10d::ProcessGroupGloo::createDeviceForInterface(names.substr(start, end - start)));
+        }
+        start = end + 1;
+      }
+    }
+    if (gloo_options->devices.empty()) {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
     group->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
         group->store, rank, size, gloo_options);
   } else if (name == "nccl") {
-    group->backend = make_nccl(group->store, rank, size, timeout);
+    group->backend = make_nccl(group->store, rank, size, local_rank, timeout);
   } else {
     throw std::invalid_argument("unknown backend " + name + " (gloo or nccl)");
   }
@@ -133,7 +150,7 @@ rust::Vec<uint8_t> store_get(const Group& group, rust::Str key) {
 bool nccl_built() { return false; }
 
 c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int,
-                                            std::chrono::milliseconds) {
+                                            int, std::chrono::milliseconds) {
   throw std::runtime_error(
       "this trainer was built without NCCL (its libtorch has no CUDA, or NCCL's headers "
       "were not found at build time): use the gloo backend");

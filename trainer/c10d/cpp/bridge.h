@@ -27,7 +27,7 @@ class Group {
 
 std::unique_ptr<Group> connect(rust::Str backend, rust::Str host, uint16_t port,
                                bool agent_store, rust::Str prefix, int32_t rank,
-                               int32_t size, int64_t timeout_ms);
+                               int32_t size, int32_t local_rank, int64_t timeout_ms);
 void all_reduce(const Group& group, const at::Tensor* tensor, uint8_t op);
 void reduce_scatter(const Group& group, const at::Tensor* output, const at::Tensor* input);
 void all_gather(const Group& group, const at::Tensor* output, const at::Tensor* input);
@@ -39,7 +39,7 @@ bool nccl_built();
 
 // nccl.cc when the build found NCCL's headers; else a stub that throws.
 c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store>& store,
-                                            int rank, int size,
+                                            int rank, int size, int local_rank,
                                             std::chrono::milliseconds timeout);
 
 }  // namespace tapline_c10d

@@ -40,6 +40,7 @@ mod ffi {
             prefix: &str,
             rank: i32,
             size: i32,
+            local_rank: i32,
             timeout_ms: i64,
         ) -> Result<UniquePtr<Group>>;
         unsafe fn all_reduce(group: &Group, tensor: *const Tensor, op: u8) -> Result<()>;
@@ -254,6 +255,7 @@ impl Group {
             &prefix,
             launch.rank as i32,
             size,
+            launch.local_rank as i32,
             timeout_ms,
         )
         .map_err(|e| Error::C10d {
@@ -551,11 +553,17 @@ mod tests {
                 if tch::Cuda::is_available() {
                     let t = Tensor::from_slice(&[2.0f32]).to_device(tch::Device::Cuda(0));
                     g.all_reduce(&t, ReduceOp::Sum).unwrap();
-                    assert_eq!(Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap(), vec![2.0]);
+                    assert_eq!(
+                        Vec::<f32>::try_from(&t.to_device(tch::Device::Cpu)).unwrap(),
+                        vec![2.0]
+                    );
                 }
             }
             Err(e) => {
-                assert!(!tch::Cuda::is_available(), "NCCL group failed with a GPU: {e}");
+                assert!(
+                    !tch::Cuda::is_available(),
+                    "NCCL group failed with a GPU: {e}"
+                );
                 eprintln!("no GPU: {e}");
             }
         }

@@ -245,52 +245,6 @@ pub fn run(
     group: Option<&tapline_c10d::Group>,
     mut on_step: impl FnMut(usize, f64),
 ) -> Result<BenchResult, String> {
-    let mut comm_bytes = Vec::new();
-    let mut comm_seconds = Vec::new();
-    let mut result = run_with(
-        preset_name,
-        device,
-        kind,
-        sequences,
-        seq_len,
-        warmup,
-        steps,
-        options,
-        peak,
-        group,
-        |i, secs, comm| {
-            if let (Some(c), true) = (comm, i >= warmup) {
-                comm_bytes.push(c.bytes);
-                comm_seconds.push(c.seconds);
-            }
-            on_step(i, secs);
-        },
-    )?;
-    if let Some(g) = group.filter(|g| g.size() > 1) {
-        comm_bytes.sort_unstable();
-        comm_seconds.sort_by(f64::total_cmp);
-        result.backend = Some(g.backend().name().into());
-        result.shard_optimizer = Some(options.shard_optimizer);
-        result.comm_bytes_per_step = comm_bytes.get(comm_bytes.len() / 2).copied();
-        result.comm_seconds_per_step = comm_seconds.get(comm_seconds.len() / 2).copied();
-    }
-    Ok(result)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_with(
-    preset_name: &str,
-    device: Device,
-    kind: Kind,
-    sequences: usize,
-    seq_len: usize,
-    warmup: usize,
-    steps: usize,
-    options: &TrainOptions,
-    peak: Option<f64>,
-    group: Option<&tapline_c10d::Group>,
-    mut on_step: impl FnMut(usize, f64, Option<super::dist::Comm>),
-) -> Result<BenchResult, String> {
     let config = preset(preset_name).ok_or_else(|| {
         format!(
             "unknown preset {preset_name:?} (known: {})",
@@ -330,6 +284,7 @@ fn run_with(
     );
     let gpu_memory = super::manifest::GpuMemorySampler::start(device);
     let mut times = Vec::new();
+    let (mut comm_bytes, mut comm_seconds) = (Vec::new(), Vec::new());
     for i in 0..warmup + steps {
         let started = Instant::now();
         let mut comm = None;
@@ -347,17 +302,19 @@ fn run_with(
             tch::Cuda::synchronize(0);
         }
         let secs = started.elapsed().as_secs_f64();
-        on_step(i, secs, comm);
+        on_step(i, secs);
         if i >= warmup {
             times.push(secs);
+            if let Some(c) = comm {
+                comm_bytes.push(c.bytes);
+                comm_seconds.push(c.seconds);
+            }
         }
     }
     let gpu_peak = gpu_memory.finish();
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let median_step = median(&times).unwrap_or(f64::NAN);
     let tokens = (sequences * seq_len) as u64;
-    let tps = tokens as f64 / median;
+    let tps = tokens as f64 / median_step;
     let device_name = super::manifest::device_name(device);
     let peak_rss = super::manifest::peak_rss_bytes();
     let peak = peak.or_else(|| peak_flops(&device_name).filter(|_| device.is_cuda()));
@@ -384,9 +341,16 @@ fn run_with(
         bytes_per_parameter: gpu_peak.unwrap_or(peak_rss) as f64 / parameters as f64,
         gpu_peak_memory_bytes_sampled: gpu_peak,
         world_size: group.map_or(1, |g| g.size()),
-        backend: None,
-        shard_optimizer: None,
-        comm_bytes_per_step: None,
-        comm_seconds_per_step: None,
+        backend: group.map(|g| g.backend().name().into()),
+        shard_optimizer: group.map(|_| options.shard_optimizer),
+        comm_bytes_per_step: median(&comm_bytes),
+        comm_seconds_per_step: median(&comm_seconds),
     })
+}
+
+/// The middle value (upper middle of an even count); `None` when empty.
+fn median<T: Copy + PartialOrd>(values: &[T]) -> Option<T> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    sorted.get(sorted.len() / 2).copied()
 }
