@@ -67,6 +67,7 @@
 //! dtype = "auto"               # fp32 on CPU, bf16 on CUDA; or float32 / bfloat16
 //!                              # (non-fp32 weights get fp32 master copies in the optimizer)
 //! seed = 0
+//! shard_optimizer = true       # under torchrun: AdamW state split across the ranks
 //!
 //! # [train.lora]               # present: train a LoRA adapter, not every weight
 //! # rank = 16
