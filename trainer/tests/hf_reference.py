@@ -315,8 +315,6 @@ def peft_grads(args):
 def peft_merge(args) -> None:
     model = peft_model(args).merge_and_unload()
     model.save_pretrained(args.out)
-    if args.tokenizer_from:
-        copy_tokenizer(args.tokenizer_from, args.out)
     for file in args.out.iterdir():
         file.chmod(0o644)
     log(f"wrote the merged model to {args.out}")
