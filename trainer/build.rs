@@ -21,7 +21,9 @@ fn main() {
     println!("cargo:rerun-if-changed=../.git/HEAD");
     println!("cargo:rerun-if-changed=../.git/refs/heads");
     let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
-    if os == "linux" {
+    // Without the `torch` feature nothing links libtorch.
+    let torch = std::env::var_os("CARGO_FEATURE_TORCH").is_some();
+    if os == "linux" && torch {
         if let Some(lib) = std::env::var_os("DEP_TCH_LIBTORCH_LIB") {
             println!("cargo:rustc-link-arg=-Wl,-rpath={}", lib.to_string_lossy());
         }

@@ -14,6 +14,7 @@ pub mod keys;
 pub mod policy;
 pub mod segment;
 pub mod store;
+mod store_local;
 
 /// Messages of `proto/tapline/v1/record.proto`, generated at build time by prost.
 ///

@@ -230,7 +230,8 @@ fn open_local(dir: &std::path::Path, url: &str) -> Result<StoreLocation, StoreUr
         .map(|d| format!("file://{}", d.display()))
         .unwrap_or_else(|_| url.to_owned());
     Ok(StoreLocation {
-        store: Arc::new(store),
+        // With conditional updates, which `LocalFileSystem` alone refuses.
+        store: Arc::new(crate::store_local::LocalStore::new(store)),
         prefix: Path::default(),
         display,
     })

@@ -18,11 +18,12 @@
 //! time: what the default concurrency is chosen by. Last, the cursor and the listing
 //! extrapolated to a day of 10,000 sidecars.
 
+#[path = "../tests/common/s3.rs"]
+mod s3;
 #[path = "../tests/common/traces.rs"]
 mod traces;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
 use std::time::Instant;
 
 use std::time::Duration;
@@ -252,7 +253,7 @@ async fn child(args: &[String]) {
         .await
         .expect("read store");
     let cursor = ingest::next_cursor(&read, &BTreeMap::new(), LOOKBACK, &location.prefix);
-    ingest::write_cursor(&location, run, &cursor)
+    ingest::write_cursor(&location, run, &cursor, &read.cursor_version)
         .await
         .expect("write cursor");
     let seconds = started.elapsed().as_secs_f64();
@@ -395,35 +396,6 @@ impl ObjectStore for Latency {
     }
 }
 
-async fn s3s_server(root: &std::path::Path) -> SocketAddr {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    std::fs::create_dir_all(root.join("records")).expect("bucket dir");
-    let fs = s3s_fs::FileSystem::new(root).expect("s3s-fs");
-    let mut builder = s3s::service::S3ServiceBuilder::new(fs);
-    builder.set_auth(s3s::auth::SimpleAuth::from_single(
-        "AKIDFLEET",
-        "fleet-secret",
-    ));
-    let service = builder.build();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((socket, _)) = listener.accept().await {
-            // Without it a response written in two parts waits for a delayed ACK (~40 ms).
-            let _ = socket.set_nodelay(true);
-            let service = service.clone();
-            tokio::spawn(async move {
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(socket), service)
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let argv: Vec<String> = std::env::args().collect();
@@ -453,10 +425,8 @@ async fn main() {
             let url = match store_kind.as_str() {
                 "local" => format!("file://{}", dir.path().display()),
                 "s3" => {
-                    let addr = s3s_server(dir.path()).await;
-                    format!(
-                        "s3://records/fleet?endpoint=http://{addr}&region=us-east-1&access_key_id=AKIDFLEET&secret_access_key=fleet-secret"
-                    )
+                    let addr = s3::s3s_server(dir.path()).await;
+                    s3::url(addr, "fleet")
                 }
                 other => panic!("--stores: {other} is not local or s3"),
             };

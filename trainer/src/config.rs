@@ -91,7 +91,7 @@ use serde::{Deserialize, Serialize};
 use crate::advantages::{AdvantageOptions, RewardOptions};
 use crate::clean::CleanOptions;
 use crate::ingest::{IngestOptions, validate_run_name};
-use crate::nn::train::TrainOptions;
+use crate::nn::options::TrainOptions;
 use crate::schedule::ScheduleOptions;
 use crate::tokenize::TokenizeOptions;
 

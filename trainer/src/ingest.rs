@@ -59,7 +59,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{ObjectStore, PutPayload};
+use object_store::{ObjectStore, PutMode, PutPayload};
 use serde::{Deserialize, Serialize};
 use tapline_proto::keys::{SegmentKey, hour_dir, parse_hour_dir, segments_root};
 use tapline_proto::segment::{Limits, SegmentError, SkippedRecord, read_segment};
@@ -103,6 +103,35 @@ pub enum IngestError {
     /// The run name cannot be used in a key.
     #[error("run name {0:?} is invalid: use 1 to 128 characters from A-Z a-z 0-9 . _ -")]
     BadRunName(String),
+    /// The cursor was written by someone else since this run read it.
+    #[error(
+        "cursor {key} of run {run:?} moved since this run read it: another trainer advanced it (two trainers on one run name?). This run committed nothing; what it read stays for the run that advanced the cursor or the next one"
+    )]
+    CursorMoved {
+        /// The run name.
+        run: String,
+        /// The cursor's key.
+        key: String,
+    },
+    /// The store cannot write conditionally, so a cursor could be advanced twice.
+    #[error(
+        "store {store} refuses conditional writes (create-if-absent, update-if-unchanged), which keep two trainers from advancing one cursor: use a store that has them (S3 and S3-compatible servers with If-Match, GCS, Azure, a local directory)"
+    )]
+    NoConditionalWrites {
+        /// The store, as displayed.
+        store: String,
+    },
+}
+
+/// The stored version of a run's cursor: what the conditional write that advances it
+/// expects to replace.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum CursorVersion {
+    /// There is no cursor yet: the write creates it, and fails if one appeared.
+    #[default]
+    Absent,
+    /// The cursor object as read: the write replaces exactly it.
+    Stored(object_store::UpdateVersion),
 }
 
 /// Settings of the ingest stage (section `[ingest]` of the run config).
@@ -340,6 +369,9 @@ pub struct StoreRead {
     pub ingested: Ingested,
     /// The cursor the run started from.
     pub cursor: Cursor,
+    /// Its stored version ([`CursorVersion::Absent`] for a read without a run name, or
+    /// one that followed another reader's plan).
+    pub cursor_version: CursorVersion,
     /// New segments read (keys relative to the store prefix), in key order.
     pub new_segments: Vec<String>,
     /// Pending segments read again.
@@ -471,18 +503,19 @@ pub async fn read_store_planned(
             source,
         }
     };
-    let cursor = match (run, plan) {
-        (_, Some(plan)) => plan.cursor.clone(),
+    let (cursor, cursor_version) = match (run, plan) {
+        (_, Some(plan)) => (plan.cursor.clone(), CursorVersion::Absent),
         (Some(run), None) => {
             validate_run_name(run)?;
-            read_cursor(location, run).await?
+            read_cursor_versioned(location, run).await?
         }
-        (None, None) => Cursor::default(),
+        (None, None) => (Cursor::default(), CursorVersion::Absent),
     };
     let concurrency = options.concurrent_reads.max(1);
 
     let mut read = StoreRead {
         cursor: cursor.clone(),
+        cursor_version,
         now_unix_nanos: Some(now_unix_nanos),
         ..StoreRead::default()
     };
@@ -665,25 +698,40 @@ async fn list_after(
 
 /// Reads the run's cursor (the empty cursor when there is none yet).
 pub async fn read_cursor(location: &StoreLocation, run: &str) -> Result<Cursor, IngestError> {
+    Ok(read_cursor_versioned(location, run).await?.0)
+}
+
+/// Reads the run's cursor and its stored version, which [`write_cursor`] expects.
+pub async fn read_cursor_versioned(
+    location: &StoreLocation,
+    run: &str,
+) -> Result<(Cursor, CursorVersion), IngestError> {
     let path = cursor_path(&location.prefix, run);
-    let bytes = match location.store.get(&path).await {
-        Ok(got) => got.bytes().await,
-        Err(object_store::Error::NotFound { .. }) => return Ok(Cursor::default()),
-        Err(e) => Err(e),
-    }
-    .map_err(|source| IngestError::Store {
+    let store_err = |source| IngestError::Store {
         store: location.display.clone(),
         action: format!("read cursor {path}"),
         source,
-    })?;
+    };
+    let got = match location.store.get(&path).await {
+        Ok(got) => got,
+        Err(object_store::Error::NotFound { .. }) => {
+            return Ok((Cursor::default(), CursorVersion::Absent));
+        }
+        Err(e) => return Err(store_err(e)),
+    };
+    let version = object_store::UpdateVersion {
+        e_tag: got.meta.e_tag.clone(),
+        version: got.meta.version.clone(),
+    };
+    let bytes = got.bytes().await.map_err(store_err)?;
     let cursor: Cursor = serde_json::from_slice(&bytes).map_err(|e| IngestError::BadCursor {
         key: path.to_string(),
         reason: e.to_string(),
     })?;
     match cursor.version {
         // Version 1 keeps every key read in `consumed`, which version 2 still honours.
-        1 if cursor.sidecars.is_empty() => Ok(cursor),
-        CURSOR_VERSION => Ok(cursor),
+        1 if cursor.sidecars.is_empty() => Ok((cursor, CursorVersion::Stored(version))),
+        CURSOR_VERSION => Ok((cursor, CursorVersion::Stored(version))),
         v => Err(IngestError::BadCursor {
             key: path.to_string(),
             reason: format!("version {v} is not one this trainer reads (1 or {CURSOR_VERSION})"),
@@ -756,25 +804,45 @@ pub fn next_cursor(
     }
 }
 
-/// Writes the run's cursor (after the batches are written).
+/// Writes the run's cursor (after the batches are written) if the store still holds the
+/// version `expected` that the run read: a conditional put (`PutMode::Create` when there
+/// was none, `PutMode::Update` otherwise), so of two runs that read the same cursor
+/// exactly one advances it and the other gets [`IngestError::CursorMoved`]. Returns the
+/// version written.
 pub async fn write_cursor(
     location: &StoreLocation,
     run: &str,
     cursor: &Cursor,
-) -> Result<(), IngestError> {
+    expected: &CursorVersion,
+) -> Result<CursorVersion, IngestError> {
     validate_run_name(run)?;
     let path = cursor_path(&location.prefix, run);
     let body = serde_json::to_vec_pretty(cursor).unwrap_or_default();
-    location
+    let mode = match expected {
+        CursorVersion::Absent => PutMode::Create,
+        CursorVersion::Stored(v) => PutMode::Update(v.clone()),
+    };
+    match location
         .store
-        .put(&path, PutPayload::from(body))
+        .put_opts(&path, PutPayload::from(body), mode.into())
         .await
-        .map_err(|source| IngestError::Store {
+    {
+        Ok(put) => Ok(CursorVersion::Stored(put.into())),
+        Err(
+            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
+        ) => Err(IngestError::CursorMoved {
+            run: run.to_owned(),
+            key: path.to_string(),
+        }),
+        Err(object_store::Error::NotImplemented) => Err(IngestError::NoConditionalWrites {
+            store: location.display.clone(),
+        }),
+        Err(source) => Err(IngestError::Store {
             store: location.display.clone(),
             action: format!("write cursor {path}"),
             source,
-        })?;
-    Ok(())
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -33,6 +33,9 @@ pub mod schedule;
 pub mod template;
 pub mod tokenize;
 
+/// The commit the binary was built from (`unknown` outside a git checkout).
+pub const GIT_COMMIT: &str = env!("TAPLINE_GIT_COMMIT");
+
 pub use config::RunConfig;
 pub use model::{Model, ModelOptions};
 pub use pipeline::{Prepared, prepare};

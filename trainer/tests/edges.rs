@@ -272,8 +272,8 @@ fn version_names_the_commit() {
     );
     // The manifest's commit is the same one, in full.
     assert!(
-        commit == "unknown" || tapline_trainer::nn::manifest::GIT_COMMIT.starts_with(commit),
+        commit == "unknown" || tapline_trainer::GIT_COMMIT.starts_with(commit),
         "{commit} vs {}",
-        tapline_trainer::nn::manifest::GIT_COMMIT
+        tapline_trainer::GIT_COMMIT
     );
 }

@@ -246,6 +246,99 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
     assert!(stderr.contains("already holds a checkpoint"), "{stderr}");
 }
 
+/// Two trainers on one cursor (a scheduled run that overlapped the previous one): B reads
+/// the cursor and is held (SIGSTOP) while A trains and commits; B then finishes its
+/// steps, but its cursor write is refused: it exits non-zero saying why, leaves no
+/// manifest, marks its directory incomplete, and the cursor is A's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_trainers_on_one_cursor_exactly_one_advances_it() {
+    use std::io::BufRead as _;
+    let model = common::smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = format!("file://{}", tmp.path().join("store").display());
+    let store = open_store(&store_url).unwrap();
+    trace().write(&store, 9).await;
+    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    let train = |out: &Path| {
+        let mut c = trainer();
+        c.args([
+            "train", "--store", &store_url, "--run", "nightly", "--model",
+        ])
+        .arg(&model)
+        .arg("--out")
+        .arg(out)
+        .args(["--lr", "2e-5", "--now-unix-secs", &now])
+        .args(["--mini-batch-episodes", "4", "--max-seq-len", "512"])
+        .args(["--micro-batch-tokens", "512"]);
+        c
+    };
+    let cursor_key = tmp.path().join("store/trainer/runs/nightly/cursor.json");
+    let signal = |sig: &str, pid: u32| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} {pid}");
+    };
+
+    let (out_a, out_b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let mut b = train(&out_b)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The line before the first step: B has read the cursor and prepared its batch.
+    let mut b_stdout = std::io::BufReader::new(b.stdout.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        let n = b_stdout.read_line(&mut line).unwrap();
+        assert!(n > 0, "B ended before training: {seen}");
+        seen.push_str(&line);
+        if line.contains("step(s) from global step") {
+            break;
+        }
+    }
+    signal("-STOP", b.id());
+    assert!(!cursor_key.exists(), "B wrote the cursor before its steps");
+
+    let (ok, stdout, stderr) = run(&mut train(&out_a));
+    signal("-CONT", b.id());
+    assert!(ok, "A failed: {stderr}\n{stdout}");
+    let cursor_a = std::fs::read(&cursor_key).expect("A wrote the cursor");
+    assert!(out_a.join("manifest.json").is_file());
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut b_stdout, &mut rest).unwrap();
+    let b = b.wait_with_output().unwrap();
+    let b_stderr = String::from_utf8_lossy(&b.stderr);
+    assert!(!b.status.success(), "B succeeded: {seen}{rest}{b_stderr}");
+    assert!(
+        rest.contains("step 2/2"),
+        "B was stopped mid-run, not before it: {seen}{rest}{b_stderr}"
+    );
+    assert!(
+        b_stderr.contains("cursor trainer/runs/nightly/cursor.json of run \"nightly\" moved since this run read it"),
+        "{b_stderr}"
+    );
+    assert!(!out_b.join("manifest.json").exists());
+    assert!(!out_b.join("cursor-commit.json").exists());
+    let marker = std::fs::read_to_string(out_b.join("INCOMPLETE")).unwrap();
+    assert!(marker.contains("another trainer advanced it"), "{marker}");
+    assert_eq!(
+        std::fs::read(&cursor_key).unwrap(),
+        cursor_a,
+        "B moved the cursor"
+    );
+
+    // The next run starts from A's cursor: nothing new to train, and it commits.
+    let (ok, stdout, stderr) = run(&mut train(&tmp.path().join("c")));
+    assert!(ok, "C failed: {stderr}\n{stdout}");
+    let c = read_json(&tmp.path().join("c/manifest.json"));
+    assert_eq!(c["steps"].as_array().unwrap().len(), 0);
+}
+
 #[test]
 fn score_refuses_bad_input_with_a_message() {
     let model = common::smollm2();
@@ -640,7 +733,11 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     let commit = read_json(&base.join("000002/cursor-commit.json"));
     let before: tapline_trainer::ingest::Cursor =
         serde_json::from_value(commit["before"].clone()).unwrap();
-    tapline_trainer::ingest::write_cursor(&store, commit["run"].as_str().unwrap(), &before)
+    let run_name = commit["run"].as_str().unwrap();
+    let (_, version) = tapline_trainer::ingest::read_cursor_versioned(&store, run_name)
+        .await
+        .unwrap();
+    tapline_trainer::ingest::write_cursor(&store, run_name, &before, &version)
         .await
         .unwrap();
     std::fs::remove_file(base.join("000002/published.json")).unwrap();

@@ -15,11 +15,10 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tch::{Device, Kind, Tensor};
 
-use super::model::{LORA_TARGETS, Transformer};
+use super::model::Transformer;
 use super::weights::{self, Checkpoint, WeightsError};
 
 /// PEFT's adapter configuration file.
@@ -27,110 +26,8 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// PEFT's adapter weights file.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
-/// The settings of a LoRA run (section `[train.lora]` of the run configuration); also
-/// what an adapter directory's `adapter_config.json` says.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LoraOptions {
-    /// Rank `r`.
-    pub rank: i64,
-    /// `lora_alpha`: the adapter's output is scaled by `alpha / rank`.
-    pub alpha: f64,
-    /// Dropout on the adapter's input; only 0 is supported for training.
-    pub dropout: f64,
-    /// Projections that get an adapter, by leaf name: `q_proj k_proj v_proj o_proj
-    /// gate_proj up_proj down_proj` (the default is all of them).
-    pub target_modules: Vec<String>,
-    /// rsLoRA: scale by `alpha / √rank` instead.
-    pub use_rslora: bool,
-}
-
-impl Default for LoraOptions {
-    fn default() -> Self {
-        LoraOptions {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            target_modules: LORA_TARGETS.iter().map(|(l, _)| (*l).to_owned()).collect(),
-            use_rslora: false,
-        }
-    }
-}
-
-impl LoraOptions {
-    /// Checks every value for training; the message names the key.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.rank < 1 {
-            return Err(format!(
-                "train.lora.rank must be at least 1, not {}",
-                self.rank
-            ));
-        }
-        if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            return Err(format!(
-                "train.lora.alpha must be positive and finite, not {}",
-                self.alpha
-            ));
-        }
-        if self.dropout != 0.0 {
-            return Err(format!(
-                "train.lora.dropout = {}: only 0 is supported (RL updates of LoRA adapters rarely use dropout)",
-                self.dropout
-            ));
-        }
-        check_targets(&self.target_modules).map_err(|m| format!("train.lora.target_modules: {m}"))
-    }
-
-    /// The factor of the adapter's output.
-    pub fn scaling(&self) -> f64 {
-        if self.use_rslora {
-            self.alpha / (self.rank as f64).sqrt()
-        } else {
-            self.alpha / self.rank as f64
-        }
-    }
-
-    /// `adapter_config.json` as PEFT writes it for these settings.
-    pub fn peft_config(&self, base_model: &str) -> Value {
-        json!({
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model,
-            "r": self.rank,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
-            "bias": "none",
-            "target_modules": self.target_modules,
-            "fan_in_fan_out": false,
-            "inference_mode": true,
-            "modules_to_save": null,
-            "use_rslora": self.use_rslora,
-            "use_dora": false,
-            "init_lora_weights": true,
-            "layers_to_transform": null,
-            "layers_pattern": null,
-            "rank_pattern": {},
-            "alpha_pattern": {},
-            "revision": null,
-        })
-    }
-}
-
-fn check_targets(targets: &[String]) -> Result<(), String> {
-    if targets.is_empty() {
-        return Err("empty: name at least one projection".into());
-    }
-    for t in targets {
-        if !LORA_TARGETS.iter().any(|(l, _)| l == t) {
-            let known: Vec<&str> = LORA_TARGETS.iter().map(|(l, _)| *l).collect();
-            return Err(format!(
-                "{t:?} is not a projection this model code can adapt (supported: {})",
-                known.join(", ")
-            ));
-        }
-    }
-    Ok(())
-}
+pub use super::options::LoraOptions;
+use super::options::check_targets;
 
 /// Why an adapter directory could not be read, applied or written.
 #[derive(Debug, thiserror::Error)]

@@ -18,35 +18,10 @@
 //! - the micro-batch loss is `Σ w·ℓ`. Summed over micro-batches it is the mini-batch loss,
 //!   whatever the split.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tch::{Kind, Tensor};
 
-/// Which ratio the surrogate uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PolicyLoss {
-    /// Token-level ratio (PPO / GRPO / DAPO).
-    Ppo,
-    /// Sequence-level ratio (GSPO).
-    Gspo,
-}
-
-/// Settings of the loss (section `[train]`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LossOptions {
-    /// Token or sequence ratio.
-    pub policy_loss: PolicyLoss,
-    /// `ε_low`.
-    pub clip_ratio_low: f64,
-    /// `ε_high`.
-    pub clip_ratio_high: f64,
-    /// Dual-clip constant `c` (> 1), or none.
-    pub dual_clip: Option<f64>,
-    /// Truncated importance sampling cap `C`, or none to ignore inference log-probs.
-    pub tis_cap: Option<f64>,
-    /// `β` of the KL penalty to the starting weights (0: none).
-    pub kl_coef: f64,
-}
+pub use super::options::{LossOptions, PolicyLoss};
 
 /// The per-token inputs of one micro-batch.
 #[derive(Debug)]

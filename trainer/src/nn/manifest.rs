@@ -14,8 +14,7 @@ use crate::chart::{Panel, Series};
 /// Name of the manifest's format.
 pub const FORMAT: &str = "tapline.train_run.v1";
 
-/// The commit the binary was built from (`unknown` outside a git checkout).
-pub const GIT_COMMIT: &str = env!("TAPLINE_GIT_COMMIT");
+pub use crate::GIT_COMMIT;
 
 /// One input segment.
 #[derive(Debug, Clone, Serialize)]

@@ -1,6 +1,8 @@
 //! The libtorch backend (tch 0.26 = libtorch 2.13): the model, the policy-gradient
-//! update and the checkpoint.
+//! update and the checkpoint. Only [`options`] and [`config`] are built without the
+//! `torch` feature; the rest needs libtorch.
 //!
+//! - [`options`] — the `[train]` settings (schedule, loss, LoRA), checked without tensors;
 //! - [`config`] — `config.json` → [`TransformerConfig`], refusing what is not implemented;
 //! - [`weights`] — safetensors in (single or sharded, checked) and out;
 //! - [`model`] — [`Transformer`]: Llama / Qwen2 / Qwen3 with HF's conventions;
@@ -13,21 +15,34 @@
 //! - [`train`] — mini-batches from the pipeline → optimizer steps, with metrics;
 //! - [`checkpoint`] — the HF directory a run writes.
 
+#[cfg(feature = "torch")]
 pub mod bench;
+#[cfg(feature = "torch")]
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "torch")]
 pub mod dist;
+#[cfg(feature = "torch")]
 pub mod lora;
+#[cfg(feature = "torch")]
 pub mod loss;
+#[cfg(feature = "torch")]
 pub mod manifest;
+#[cfg(feature = "torch")]
 pub mod model;
+#[cfg(feature = "torch")]
 pub mod optim;
+pub mod options;
+#[cfg(feature = "torch")]
 pub mod train;
+#[cfg(feature = "torch")]
 pub mod weights;
 
 pub use config::TransformerConfig;
+#[cfg(feature = "torch")]
 pub use model::Transformer;
 
+#[cfg(feature = "torch")]
 /// Why a model directory could not be loaded.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -43,6 +58,7 @@ pub enum LoadError {
     Device(String),
 }
 
+#[cfg(feature = "torch")]
 /// Parses `cpu`, `cuda` or `cuda:N`; refuses CUDA when libtorch sees no GPU.
 pub fn parse_device(name: &str) -> Result<tch::Device, LoadError> {
     let device = match name {
@@ -71,6 +87,7 @@ pub fn parse_device(name: &str) -> Result<tch::Device, LoadError> {
     Ok(device)
 }
 
+#[cfg(feature = "torch")]
 /// The training dtype: `auto` is fp32 on CPU and bf16 on CUDA.
 pub fn parse_dtype(name: &str, device: tch::Device) -> Result<tch::Kind, LoadError> {
     Ok(match name {

@@ -74,17 +74,7 @@ impl Linear {
     }
 }
 
-/// The projections a LoRA adapter can target, by PEFT's leaf names, with the module
-/// that holds them.
-pub const LORA_TARGETS: &[(&str, &str)] = &[
-    ("q_proj", "self_attn"),
-    ("k_proj", "self_attn"),
-    ("v_proj", "self_attn"),
-    ("o_proj", "self_attn"),
-    ("gate_proj", "mlp"),
-    ("up_proj", "mlp"),
-    ("down_proj", "mlp"),
-];
+pub use super::options::LORA_TARGETS;
 
 /// PEFT's name of an adapter tensor: `base_model.model.model.layers.{layer}.{module}.{leaf}.lora_{A|B}.weight`.
 pub fn peft_lora_name(layer: usize, leaf: &str, which: char) -> String {

@@ -21,39 +21,7 @@ use tch::{Kind, Tensor};
 
 use super::weights::{self, Checkpoint, WeightsError};
 
-/// The shape of the learning rate over steps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LrSchedule {
-    /// Linear warmup, then the peak rate.
-    Constant,
-    /// Linear warmup, then cosine decay to `min_lr_ratio · lr` at `total_steps`.
-    Cosine,
-}
-
-/// Learning rate at optimizer step `step` (0-based), as transformers'
-/// `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup` (with a floor).
-pub fn learning_rate(
-    schedule: LrSchedule,
-    peak: f64,
-    warmup_steps: u64,
-    total_steps: u64,
-    min_lr_ratio: f64,
-    step: u64,
-) -> f64 {
-    if step < warmup_steps {
-        return peak * (step + 1) as f64 / warmup_steps as f64;
-    }
-    match schedule {
-        LrSchedule::Constant => peak,
-        LrSchedule::Cosine => {
-            let span = total_steps.saturating_sub(warmup_steps).max(1);
-            let progress = ((step - warmup_steps) as f64 / span as f64).min(1.0);
-            let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-            peak * (min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
-        }
-    }
-}
+pub use super::options::{LrSchedule, learning_rate};
 
 /// File of the optimizer's tensors, beside a checkpoint.
 pub const STATE_TENSORS: &str = "optimizer.safetensors";

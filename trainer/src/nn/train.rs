@@ -28,175 +28,15 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use super::dist::{self, Comm, Optimizer};
-use super::lora::LoraOptions;
-use super::loss::{self, LossOptions, LossStats, PolicyLoss, TokenInputs};
+use super::loss::{self, LossStats, TokenInputs};
 use super::model::Transformer;
-use super::optim::{AdamW, LrSchedule, learning_rate};
+use super::optim::{AdamW, learning_rate};
 use crate::batch::{MicroBatch, MiniBatch};
 use tapline_c10d::{Group, ReduceOp};
 
-/// Settings of the update (section `[train]` of the run configuration).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainOptions {
-    /// Peak learning rate.
-    pub lr: f64,
-    /// `constant` or `cosine` after the warmup.
-    pub lr_schedule: LrSchedule,
-    /// Linear warmup steps.
-    pub warmup_steps: u64,
-    /// Length of the cosine (default: the steps of this run).
-    pub total_steps: Option<u64>,
-    /// Floor of the cosine, as a fraction of `lr`.
-    pub min_lr_ratio: f64,
-    /// AdamW β1.
-    pub beta1: f64,
-    /// AdamW β2.
-    pub beta2: f64,
-    /// AdamW ε.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
-    /// Gradient clipping by global norm (0: none; the norm is reported either way).
-    pub max_grad_norm: f64,
-    /// Passes over the mini-batches.
-    pub epochs: u32,
-    /// `ppo` (token ratio) or `gspo` (sequence ratio).
-    pub policy_loss: PolicyLoss,
-    /// `ε_low` of the clip.
-    pub clip_ratio_low: f64,
-    /// `ε_high` of the clip.
-    pub clip_ratio_high: f64,
-    /// Dual-clip constant `c` (> 1); 0 turns it off.
-    pub dual_clip: f64,
-    /// Truncated importance sampling cap against the inference log-probs; 0 turns it off.
-    pub tis_cap: f64,
-    /// KL penalty to the starting weights (0: none).
-    pub kl_coef: f64,
-    /// Rows of the head computed at once (bounds the fp32 logits to rows × vocab).
-    pub logprob_chunk: usize,
-    /// Recompute each layer in the backward pass instead of keeping its activations.
-    pub recompute: bool,
-    /// `auto` (fp32 on CPU, bf16 on CUDA), `float32` or `bfloat16`.
-    pub dtype: String,
-    /// Seed of libtorch's generator (and of a new LoRA adapter's `A`).
-    pub seed: u64,
-    /// Train a LoRA adapter instead of every weight (section `[train.lora]`; absent:
-    /// full fine-tune).
-    pub lora: Option<LoraOptions>,
-    /// Distributed runs (launched by torchrun / PyTorchJob): shard the AdamW state across
-    /// the ranks (ZeRO-1/2: optimizer memory per rank falls as 1/world size); false keeps
-    /// a whole copy on every rank (plain data parallel). No effect on one process.
-    pub shard_optimizer: bool,
-    /// The policy version announced when the run started (`[clean] policy`), from which
-    /// the lag of each call's tokens is counted in [`TrainResult::importance_by_lag`].
-    /// Not a setting: the run fills it in.
-    #[serde(skip)]
-    pub latest_policy_version: Option<u64>,
-    /// When set, the update ends after the step during which it became true (`train
-    /// --follow` on SIGTERM); the steps done are kept. Not a setting.
-    #[serde(skip)]
-    pub stop: Option<&'static std::sync::atomic::AtomicBool>,
-}
-
-impl Default for TrainOptions {
-    fn default() -> Self {
-        TrainOptions {
-            lr: 1e-6,
-            lr_schedule: LrSchedule::Constant,
-            warmup_steps: 0,
-            total_steps: None,
-            min_lr_ratio: 0.0,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-            max_grad_norm: 1.0,
-            epochs: 1,
-            policy_loss: PolicyLoss::Ppo,
-            clip_ratio_low: 0.2,
-            clip_ratio_high: 0.28,
-            dual_clip: 0.0,
-            tis_cap: 2.0,
-            kl_coef: 0.0,
-            logprob_chunk: 1024,
-            recompute: false,
-            dtype: "auto".into(),
-            seed: 0,
-            lora: None,
-            shard_optimizer: true,
-            latest_policy_version: None,
-            stop: None,
-        }
-    }
-}
+pub use super::options::TrainOptions;
 
 impl TrainOptions {
-    /// Checks every value; the message names the key.
-    pub fn validate(&self) -> Result<(), String> {
-        let positive = [
-            ("train.lr", self.lr),
-            ("train.eps", self.eps),
-            ("train.clip_ratio_low", self.clip_ratio_low),
-            ("train.clip_ratio_high", self.clip_ratio_high),
-        ];
-        for (name, v) in positive {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(format!("{name} must be positive and finite, not {v}"));
-            }
-        }
-        let non_negative = [
-            ("train.weight_decay", self.weight_decay),
-            ("train.max_grad_norm", self.max_grad_norm),
-            ("train.kl_coef", self.kl_coef),
-            ("train.tis_cap", self.tis_cap),
-            ("train.min_lr_ratio", self.min_lr_ratio),
-        ];
-        for (name, v) in non_negative {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!("{name} must be a finite number >= 0, not {v}"));
-            }
-        }
-        for (name, v) in [("train.beta1", self.beta1), ("train.beta2", self.beta2)] {
-            if !(0.0..1.0).contains(&v) {
-                return Err(format!("{name} must be in [0, 1), not {v}"));
-            }
-        }
-        if self.clip_ratio_low >= 1.0 {
-            return Err(format!(
-                "train.clip_ratio_low must be below 1, not {}",
-                self.clip_ratio_low
-            ));
-        }
-        if self.dual_clip != 0.0 && !(self.dual_clip.is_finite() && self.dual_clip > 1.0) {
-            return Err(format!(
-                "train.dual_clip must be 0 (off) or greater than 1, not {}",
-                self.dual_clip
-            ));
-        }
-        if self.epochs == 0 {
-            return Err("train.epochs must be at least 1".into());
-        }
-        if self.logprob_chunk == 0 {
-            return Err("train.logprob_chunk must be at least 1".into());
-        }
-        if !["auto", "float32", "fp32", "bfloat16", "bf16"].contains(&self.dtype.as_str()) {
-            return Err(format!(
-                "train.dtype must be auto, float32 or bfloat16, not {:?}",
-                self.dtype
-            ));
-        }
-        if let Some(lora) = &self.lora {
-            lora.validate()?;
-        }
-        Ok(())
-    }
-
-    /// The AdamW hyper-parameters `[β1, β2, ε, weight decay]`.
-    pub fn adamw(&self) -> [f64; 4] {
-        [self.beta1, self.beta2, self.eps, self.weight_decay]
-    }
-
     /// A new optimizer for the model's trainable parameters (the adapters under LoRA),
     /// with gradients turned on for them.
     pub fn optimizer(&self, model: &mut Transformer) -> AdamW {
@@ -208,18 +48,6 @@ impl TrainOptions {
             self.eps,
             self.weight_decay,
         )
-    }
-
-    /// The loss settings.
-    pub fn loss(&self) -> LossOptions {
-        LossOptions {
-            policy_loss: self.policy_loss,
-            clip_ratio_low: self.clip_ratio_low,
-            clip_ratio_high: self.clip_ratio_high,
-            dual_clip: (self.dual_clip > 0.0).then_some(self.dual_clip),
-            tis_cap: (self.tis_cap > 0.0).then_some(self.tis_cap),
-            kl_coef: self.kl_coef,
-        }
     }
 }
 

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 pub mod cli;
+#[cfg(feature = "torch")]
 pub mod reference;
 pub mod traces;
 
