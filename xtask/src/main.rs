@@ -6,6 +6,11 @@
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
 //! - `cargo xtask fuzz [--secs N]`: builds the cargo-fuzz targets in `sidecar/fuzz` and
 //!   runs each for N seconds (`cargo xtask test` runs each for 5).
+//! - `cargo xtask image [--check] [--debug] [sidecar] [trainer] [trainer-prepare]`: OCI
+//!   images assembled `FROM scratch` with podman (see `image.rs`) from release builds
+//!   (`--debug`: debug builds), their sizes printed; `--check` runs them
+//!   (`xtask/image_check.py`). `cargo xtask test` runs `--check --debug sidecar
+//!   trainer-prepare`.
 //! - `cargo xtask docs [--check]`: `docs/reference.md`, every flag and `run.toml` key,
 //!   generated from the code; `cargo xtask test` checks it is up to date.
 //! - `cargo xtask bench-dist [--preset P --sequences N --seq-len N --steps N]`:
@@ -30,6 +35,7 @@ mod assets;
 mod demo;
 mod docs;
 mod fuzz;
+mod image;
 use assets::{
     check_wheel_in_clean_venv, ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env,
 };
@@ -45,6 +51,10 @@ commands:
              --preset P --sequences N --seq-len N --steps N)
   fuzz       build the fuzz targets and run each (flags: --secs N, default 60;
              --target NAME; --sanitizer address)
+  image      build OCI images FROM scratch with podman (names: sidecar trainer
+             trainer-prepare; default all) and print their sizes (--check: also
+             run them: a call recorded through the sidecar, prepare in the trainer;
+             --debug: from debug builds)
   docs       write docs/reference.md (every flag and run.toml key) from the code
              (--check: fail when the committed file differs)";
 
@@ -62,6 +72,7 @@ fn main() -> anyhow::Result<()> {
             let assets = step("test assets", || ensure_assets(&root))?;
             fuzz::fuzz(&root, &assets, &run)
         }
+        Some("image") => image_cmd(&root, &args[1..]),
         Some("docs") => {
             let check = args[1..].iter().any(|a| a == "--check");
             let python = step("python test environment", || ensure_venv(&root))?;
@@ -154,6 +165,14 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     step("closed loop, short (`cargo xtask demo --smoke`)", || {
         demo::demo(root, &["--smoke".to_owned()])
     })?;
+    // Last: it replaces target/debug/tapline-trainer with the build without libtorch.
+    step(
+        "container images FROM scratch (podman) of the debug builds: the sidecar records through its image, the trainer without libtorch prepares in its image",
+        || {
+            let args = ["--check", "--debug", "sidecar", "trainer-prepare"];
+            image_cmd(root, &args.map(String::from))
+        },
+    )?;
     eprintln!("xtask test: all steps passed in {:.0?}", started.elapsed());
     Ok(())
 }
@@ -244,6 +263,183 @@ fn bench_dist(root: &Path, args: &[String]) -> anyhow::Result<()> {
             state / 1e6,
             state / base_state,
         );
+    }
+    Ok(())
+}
+
+/// Builds `tapline-trainer` without the `torch` feature (for a debug build, clippy first,
+/// warnings denied), checks that nothing of libtorch is linked and that `train` refuses
+/// naming the feature; its path. Debug builds go to `target/debug` (replacing the torch
+/// build there), release builds to `target/no-torch`.
+fn trainer_without_torch(root: &Path, release: bool) -> anyhow::Result<PathBuf> {
+    let mut flags = vec!["-p", "tapline-trainer", "--no-default-features"];
+    if release {
+        flags.extend(["--release", "--target-dir", "target/no-torch"]);
+    } else {
+        run(Command::new("cargo").arg("clippy").args(&flags).args([
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))?;
+    }
+    // No venv on PATH and no LIBTORCH*: this build must not look for libtorch at all.
+    run(Command::new("cargo")
+        .arg("build")
+        .args(&flags)
+        .args(["--bin", "tapline-trainer"])
+        .env_remove("LIBTORCH")
+        .env_remove("LIBTORCH_USE_PYTORCH"))?;
+    let binary = root
+        .join(if release {
+            "target/no-torch/release"
+        } else {
+            "target/debug"
+        })
+        .join("tapline-trainer");
+    let libs = image::ldd_closure(&binary)?;
+    if let Some(lib) = libs.iter().find(|l| {
+        let name = l.to_string_lossy();
+        name.contains("torch") || name.contains("c10")
+    }) {
+        bail!(
+            "{} links {}: the build without `torch` must not",
+            binary.display(),
+            lib.display()
+        );
+    }
+    let out = Command::new(&binary)
+        .args(["train", "--store", "x", "--model", "x", "--out", "x"])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() || !stderr.contains("needs libtorch") {
+        bail!(
+            "`tapline-trainer train` without torch should refuse, naming the feature; it said: {stderr}"
+        );
+    }
+    Ok(binary)
+}
+
+/// `xtask/image_check.py`: the sidecar image records a call, the trainer image `tag`
+/// prepares the store.
+fn image_check(
+    root: &Path,
+    python: &Path,
+    podman: &image::Podman,
+    trainer_tag: &str,
+) -> anyhow::Result<()> {
+    let assets = ensure_assets(root)?;
+    run(Command::new(python)
+        .arg(root.join("xtask/image_check.py"))
+        .arg("--containers-conf")
+        .arg(podman.conf())
+        .args(["--sidecar-image", &image::Kind::Sidecar.tags()[0]])
+        .args(["--trainer-image", trainer_tag])
+        .arg("--model")
+        .arg(assets.join("qwen3"))
+        .arg("--work")
+        .arg(root.join(".cache/image-check")))
+}
+
+/// `cargo xtask image [--check] [sidecar] [trainer] [trainer-prepare]`.
+fn image_cmd(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    let check = args.iter().any(|a| a == "--check");
+    let debug = args.iter().any(|a| a == "--debug");
+    let mut kinds: Vec<image::Kind> = Vec::new();
+    for a in args.iter().filter(|a| !a.starts_with("--")) {
+        kinds.push(match a.as_str() {
+            "sidecar" => image::Kind::Sidecar,
+            "trainer" => image::Kind::Trainer,
+            "trainer-prepare" => image::Kind::TrainerPrepare,
+            other => bail!("image: {other:?} is not sidecar, trainer or trainer-prepare"),
+        });
+    }
+    if kinds.is_empty() {
+        kinds = vec![
+            image::Kind::Sidecar,
+            image::Kind::Trainer,
+            image::Kind::TrainerPrepare,
+        ];
+    }
+    if check && !kinds.contains(&image::Kind::Sidecar) {
+        kinds.push(image::Kind::Sidecar);
+    }
+    let python = step("python environment (torch)", || ensure_venv(root))?;
+    image::check_manifests(root)?;
+    let podman = step("podman", || image::Podman::ensure(root))?;
+    let profile = if debug { "debug" } else { "release" };
+    let mut sizes = Vec::new();
+    for &kind in &kinds {
+        image::check_in_step(root, kind)?;
+        let (binary, torch_lib) = match kind {
+            image::Kind::Sidecar => {
+                let mut cmd = Command::new("cargo");
+                cmd.args(["build", "-p", "tapline-sidecar"]);
+                if !debug {
+                    cmd.arg("--release");
+                }
+                step(
+                    &format!("cargo build -p tapline-sidecar ({profile})"),
+                    || run(&mut cmd),
+                )?;
+                (
+                    root.join("target").join(profile).join("tapline-sidecar"),
+                    None,
+                )
+            }
+            image::Kind::Trainer => {
+                let binary = if debug {
+                    step("cargo build -p tapline-trainer (debug)", || {
+                        run(torch_env(
+                            Command::new("cargo").args(["build", "-p", "tapline-trainer"]),
+                            &python,
+                        ))
+                    })?;
+                    root.join("target/debug/tapline-trainer")
+                } else {
+                    build_release_trainer(root, &python)?
+                };
+                let out = Command::new(&python)
+                    .args([
+                        "-c",
+                        "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
+                    ])
+                    .output()?;
+                let lib = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+                (binary, Some(lib))
+            }
+            image::Kind::TrainerPrepare => (
+                step(
+                    &format!(
+                        "tapline-trainer without libtorch ({profile}, --no-default-features): build, no libtorch linked"
+                    ),
+                    || trainer_without_torch(root, !debug),
+                )?,
+                None,
+            ),
+        };
+        let size = step(&format!("podman build {}", kind.tags()[0]), || {
+            image::build(root, &podman, kind, &binary, torch_lib.as_deref())
+        })?;
+        sizes.push((kind, size));
+    }
+    println!("| image | build | size |\n|---|---|---|");
+    for (kind, size) in &sizes {
+        println!(
+            "| {} | {profile} | {:.1} MB |",
+            kind.tags()[0],
+            *size as f64 / 1e6
+        );
+    }
+    if check {
+        let trainer = if kinds.contains(&image::Kind::Trainer) {
+            image::Kind::Trainer
+        } else {
+            image::Kind::TrainerPrepare
+        };
+        step("run the images (xtask/image_check.py)", || {
+            image_check(root, &python, &podman, &trainer.tags()[0])
+        })?;
     }
     Ok(())
 }
