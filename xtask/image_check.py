@@ -7,6 +7,8 @@
    65532, as `tapline-sidecar dump` (in the image) reads it.
 2. `tapline-trainer` (`--trainer-image`) runs `prepare` on that store, mounted, with a
    real tokenizer mounted as the model: it reads the one segment and writes its batches.
+   The libtorch image then runs `bench-update` (libtorch loads from the image's own
+   libraries and trains); the `-prepare` image refuses `train`, naming the feature.
 
 Run by `cargo xtask test` and `cargo xtask image --check`:
     image_check.py --containers-conf FILE --sidecar-image TAG --trainer-image TAG
@@ -138,6 +140,20 @@ def check_trainer(podman: Podman, image: str, store: Path, model: Path, work: Pa
     segments = report["input"]["segments"]
     assert segments >= 1, report["input"]
     log(f"trainer image: prepare read {segments} segment(s): {done.stdout.strip().splitlines()[-1]}")
+    if image.endswith("prepare"):
+        # Without libtorch: `train` says what it needs.
+        refused = podman("run", "--rm", "--network", "none", image, "train", "--store", "x", "--model", "x", "--out", "x", check=False)
+        assert refused.returncode != 0 and "needs libtorch" in refused.stderr, refused
+        log("trainer image without libtorch: train refuses, naming the feature")
+    else:
+        # libtorch loads from the image's own libraries and computes: two update steps.
+        bench = podman(
+            "run", "--rm", "--network", "none", image, "bench-update", "--preset", "smollm2-135m",
+            "--device", "cpu", "--sequences", "1", "--seq-len", "32", "--warmup", "1", "--steps", "1",
+        ).stdout  # fmt: skip
+        result = json.loads(bench.strip().splitlines()[-1])
+        assert result["tokens_per_second"] > 0, result
+        log(f"trainer image: libtorch runs bench-update ({result['tokens_per_second']:.0f} tokens/s)")
 
 
 def main() -> None:

@@ -82,6 +82,24 @@ fn adapter_server(fail_first: usize) -> (String, Seen) {
     (url, seen)
 }
 
+/// SmolLM2; a temporary directory with a local store holding [`trace`], the store's URL
+/// and the store; `--now-unix-secs` ten minutes after the trace.
+async fn smollm2_and_store() -> (
+    std::path::PathBuf,
+    tempfile::TempDir,
+    String,
+    tapline_proto::store::StoreLocation,
+    String,
+) {
+    let model = common::smollm2();
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = format!("file://{}", tmp.path().join("store").display());
+    let store = open_store(&store_url).unwrap();
+    trace().write(&store, 9).await;
+    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    (model, tmp, store_url, store, now)
+}
+
 fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).expect("read file")).expect("JSON file")
 }
@@ -253,12 +271,7 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn of_two_trainers_on_one_cursor_exactly_one_advances_it() {
     use std::io::BufRead as _;
-    let model = common::smollm2();
-    let tmp = tempfile::tempdir().unwrap();
-    let store_url = format!("file://{}", tmp.path().join("store").display());
-    let store = open_store(&store_url).unwrap();
-    trace().write(&store, 9).await;
-    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    let (model, tmp, store_url, store, now) = smollm2_and_store().await;
     let train = |out: &Path| {
         let mut c = trainer();
         c.args([
@@ -358,12 +371,7 @@ fn score_refuses_bad_input_with_a_message() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn train_with_lora_writes_a_peft_adapter_that_scores_merges_and_resumes() {
-    let model = common::smollm2();
-    let tmp = tempfile::tempdir().unwrap();
-    let store_url = format!("file://{}", tmp.path().join("store").display());
-    let store = open_store(&store_url).unwrap();
-    trace().write(&store, 9).await;
-    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    let (model, tmp, store_url, store, now) = smollm2_and_store().await;
     let config = |rank: u32| {
         let path = tmp.path().join(format!("lora-{rank}.toml"));
         std::fs::write(
@@ -784,6 +792,40 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     assert!(ok, "{stderr}");
     let report = read_json(&out.join("report.json"));
     assert_eq!(report["input"]["segments"], 0, "{stdout}");
+
+    // As if the third run had stopped right after its manifest, and another trainer on
+    // the same cursor had moved it since: the restart cannot commit the third run; it
+    // says so, exits non-zero and marks the directory incomplete (no manifest).
+    let commit = read_json(&base.join("000003/cursor-commit.json"));
+    let mut elsewhere: tapline_trainer::ingest::Cursor =
+        serde_json::from_value(commit["before"].clone()).unwrap();
+    elsewhere
+        .pending_episodes
+        .insert("another-trainer".to_owned());
+    let (_, version) = tapline_trainer::ingest::read_cursor_versioned(&store, run_name)
+        .await
+        .unwrap();
+    tapline_trainer::ingest::write_cursor(&store, run_name, &elsewhere, &version)
+        .await
+        .unwrap();
+    let mut f = follower();
+    let status = f.child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(f.child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("another trainer has moved the cursor since; it is marked incomplete"),
+        "{stderr}"
+    );
+    assert!(!base.join("000003/manifest.json").exists());
+    assert!(base.join("000003/INCOMPLETE").is_file());
+    assert_eq!(
+        tapline_trainer::ingest::read_cursor(&store, run_name)
+            .await
+            .unwrap(),
+        elsewhere,
+        "the other trainer's cursor is left as it is"
+    );
 
     // --no-cursor cannot follow.
     let (ok, _, stderr) = run(trainer()
