@@ -271,7 +271,7 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn of_two_trainers_on_one_cursor_exactly_one_advances_it() {
     use std::io::BufRead as _;
-    let (model, tmp, store_url, store, now) = smollm2_and_store().await;
+    let (model, tmp, store_url, _store, now) = smollm2_and_store().await;
     let train = |out: &Path| {
         let mut c = trainer();
         c.args([
