@@ -3,13 +3,15 @@
 //! `object_store`'s `LocalFileSystem` creates objects atomically (`PutMode::Create` is a
 //! hard link that fails when the name exists) but refuses `PutMode::Update`: a
 //! compare-and-swap on a file needs a lock the crate does not take. [`LocalStore`] adds
-//! it: an update takes an exclusive `flock` on the object's directory, compares the
-//! object's current ETag (inode, modification time and size, as `LocalFileSystem` gives
-//! it) with the expected one, and only then writes (a staging file renamed over the
-//! object, so the ETag changes with every write). Every tapline process updating an
-//! object of the store takes the same lock, so of two updates from the same version
-//! exactly one succeeds. `flock` holds between processes of one host and on network
-//! filesystems that implement it (NFSv4 does); everything else is `LocalFileSystem`'s.
+//! it: an update takes an exclusive `flock` on a lock file beside the object
+//! (`.NAME.lock`, created once and kept), compares the object's current ETag (inode,
+//! modification time and size, as `LocalFileSystem` gives it) with the expected one, and
+//! only then writes (a staging file renamed over the object, so the ETag changes with
+//! every write). Every tapline process updating an object of the store takes the same
+//! lock, so of two updates from the same version exactly one succeeds. `flock` on a
+//! regular file holds between the processes of one host, and between hosts on NFS
+//! (Linux maps it to NFS byte-range locks; on a directory it would not); everything else
+//! is `LocalFileSystem`'s.
 
 use std::fmt;
 use std::ops::Range;
@@ -37,22 +39,27 @@ impl LocalStore {
         }
     }
 
-    /// Holds the exclusive lock on the directory of `location` while the returned file
+    /// Holds the exclusive lock of `location` (its lock file) while the returned file
     /// is open.
-    async fn lock_dir(&self, location: &Path) -> Result<std::fs::File> {
+    async fn lock(&self, location: &Path) -> Result<std::fs::File> {
         let file = self.inner.path_to_filesystem(location)?;
-        let dir = file
-            .parent()
-            .map(std::path::Path::to_path_buf)
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        let lock = file.with_file_name(format!(".{name}.lock"));
         let io = |source: std::io::Error| object_store::Error::Generic {
             store: "LocalStore",
-            source: format!("lock {} for a conditional write: {source}", dir.display()).into(),
+            source: format!("lock {} for a conditional write: {source}", lock.display()).into(),
         };
         let locked = tokio::task::spawn_blocking({
-            let dir = dir.clone();
+            let lock = lock.clone();
             move || -> std::io::Result<std::fs::File> {
-                let handle = std::fs::File::open(&dir)?;
+                let handle = std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&lock)?;
                 handle.lock()?;
                 Ok(handle)
             }
@@ -94,7 +101,7 @@ impl ObjectStore for LocalStore {
             return self.inner.put_opts(location, payload, opts).await;
         };
         let expected = expected.clone();
-        let _lock = self.lock_dir(location).await?;
+        let _lock = self.lock(location).await?;
         let current = match self.inner.head(location).await {
             Ok(meta) => meta,
             Err(object_store::Error::NotFound { path, .. }) => {

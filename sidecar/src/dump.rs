@@ -1,4 +1,6 @@
-//! `tapline-sidecar dump`: every record in a store as one JSON object per line.
+//! `tapline-sidecar dump`: every record in a store as one JSON object per line, or, with
+//! `--episode ID`, the records of one episode (`--format pretty`: as a conversation,
+//! [`crate::trace`]).
 //!
 //! Segments are read in key order (time, then sidecar, then sequence). A segment that
 //! fails to read is reported on stderr with its key and the reason, the others are still
@@ -31,13 +33,42 @@ pub struct DumpSummary {
     pub foreign_objects: usize,
 }
 
-/// Prints every record of the segments under `location` (narrowed to keys that start
-/// with `key_prefix`, relative to the segments directory, e.g. `2026/12/02`) to `out`.
+/// How `dump` prints.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DumpFormat {
+    /// One JSON object per record and line (with its `segment`).
+    #[default]
+    Json,
+    /// One episode as a conversation, for reading in a terminal (needs `--episode`).
+    Pretty,
+}
+
+/// What `dump` prints.
+#[derive(Debug, Clone, Default)]
+pub struct DumpOptions {
+    /// Only segments whose key starts with this, relative to the segments directory
+    /// (e.g. `2026/12/02`).
+    pub key_prefix: Option<String>,
+    /// Only the records of this episode (its start and end, calls and rewards).
+    pub episode: Option<String>,
+    /// JSON lines or the conversation view.
+    pub format: DumpFormat,
+}
+
+/// Prints the records of the segments under `location` to `out`, as `options` say.
 pub async fn dump(
     location: &StoreLocation,
-    key_prefix: Option<&str>,
+    options: &DumpOptions,
     out: &mut dyn Write,
 ) -> anyhow::Result<DumpSummary> {
+    if options.format == DumpFormat::Pretty && options.episode.is_none() {
+        bail!(
+            "--format pretty shows one episode: add --episode ID (the ids are in the episode_id fields of `dump`'s JSON)"
+        );
+    }
+    let key_prefix = options.key_prefix.as_deref();
+    let episode = options.episode.as_deref();
+    let mut kept = Vec::new();
     let root = segments_root(&location.prefix);
     let list_prefix = match key_prefix
         .map(|p| p.trim_matches('/'))
@@ -76,21 +107,38 @@ pub async fn dump(
                     summary.oversized_records += 1;
                     eprintln!("dump: segment {key}: {skipped}");
                 }
-                let records = contents.records;
+                let records: Vec<_> = contents
+                    .records
+                    .into_iter()
+                    .filter(|r| episode.is_none() || r.episode_id() == episode)
+                    .collect();
+                summary.segments += 1;
+                summary.records += records.len();
+                if options.format == DumpFormat::Pretty {
+                    kept.extend(records);
+                    continue;
+                }
                 for record in &records {
                     let mut value = record_to_json(record);
                     value["segment"] = serde_json::Value::String(key.to_string());
                     serde_json::to_writer(&mut *out, &value)?;
                     out.write_all(b"\n")?;
                 }
-                summary.segments += 1;
-                summary.records += records.len();
             }
             Err(e) => {
                 summary.failed_segments += 1;
                 eprintln!("dump: cannot read segment {key}: {e:#}");
             }
         }
+    }
+    if let (DumpFormat::Pretty, Some(episode)) = (options.format, episode) {
+        if kept.is_empty() {
+            bail!(
+                "no record of episode {episode} in {} segment(s) read",
+                summary.segments
+            );
+        }
+        out.write_all(crate::trace::render(&kept, episode).as_bytes())?;
     }
     out.flush()?;
     if summary.oversized_records > 0 && summary.failed_segments == 0 {

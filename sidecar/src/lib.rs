@@ -37,4 +37,5 @@ pub mod sink;
 pub mod spool;
 pub mod sse;
 pub mod state;
+pub mod trace;
 pub mod upstream;

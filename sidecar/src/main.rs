@@ -82,7 +82,7 @@ fn init_logging(format: LogFormat) {
 enum Command {
     /// Proxy LLM traffic and record it (the default command).
     Serve(Box<ServeArgs>),
-    /// Print every record in a store as one JSON object per line.
+    /// Print every record in a store as one JSON object per line, or one episode.
     Dump {
         /// Store URL: file:///dir, s3://bucket/prefix, gs://, az://, memory://, or a directory.
         #[arg(long, env = "TAPLINE_STORE")]
@@ -91,21 +91,38 @@ enum Command {
         /// (e.g. `2026/12/02` or `2026/12/02/09/my-sidecar`).
         #[arg(long)]
         prefix: Option<String>,
+        /// Only the records of this episode: its start and end, calls and rewards.
+        #[arg(long)]
+        episode: Option<String>,
+        /// json: one record per line; pretty: the episode as a conversation (calls in
+        /// order with roles, new messages, answers, tool calls, timings, token counts and
+        /// rewards), with --episode.
+        #[arg(long, value_enum, default_value = "json")]
+        format: tapline_sidecar::dump::DumpFormat,
     },
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Dump { store, prefix }) => {
+        Some(Command::Dump {
+            store,
+            prefix,
+            episode,
+            format,
+        }) => {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             runtime.block_on(async {
                 let location = tapline_proto::store::open_store(&store)?;
                 let mut out = std::io::BufWriter::new(std::io::stdout());
-                let summary =
-                    tapline_sidecar::dump::dump(&location, prefix.as_deref(), &mut out).await?;
+                let options = tapline_sidecar::dump::DumpOptions {
+                    key_prefix: prefix,
+                    episode,
+                    format,
+                };
+                let summary = tapline_sidecar::dump::dump(&location, &options, &mut out).await?;
                 eprintln!(
                     "dump: {} records from {} segments",
                     summary.records, summary.segments

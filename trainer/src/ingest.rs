@@ -182,6 +182,10 @@ pub struct Cursor {
     pub pending_segments: BTreeSet<String>,
     /// Episodes that had not ended at the last run.
     pub pending_episodes: BTreeSet<String>,
+    /// The run that wrote this cursor (an id of its own): [`write_cursor`] tells a
+    /// client retry of its own write that landed from another run's write.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub written_by: String,
 }
 
 impl Cursor {
@@ -401,6 +405,11 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest as _;
     let digest = sha2::Sha256::digest(bytes);
     digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The key of the run's cursor in `location`.
+pub fn cursor_key(location: &StoreLocation, run: &str) -> String {
+    cursor_path(&location.prefix, run).to_string()
 }
 
 fn cursor_path(prefix: &Path, run: &str) -> Path {
@@ -801,6 +810,8 @@ pub fn next_cursor(
         consumed,
         pending_segments: pending.values().flatten().cloned().collect(),
         pending_episodes: pending.keys().cloned().collect(),
+        // The caller names the run that writes it.
+        written_by: String::new(),
     }
 }
 
@@ -830,10 +841,19 @@ pub async fn write_cursor(
         Ok(put) => Ok(CursorVersion::Stored(put.into())),
         Err(
             object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
-        ) => Err(IngestError::CursorMoved {
-            run: run.to_owned(),
-            key: path.to_string(),
-        }),
+        ) => {
+            // A client retry of a write that landed (an error answer to the first try)
+            // finds its own cursor, `written_by` this run: a success, not a lost race.
+            match read_cursor_versioned(location, run).await {
+                Ok((now, version)) if !cursor.written_by.is_empty() && now == *cursor => {
+                    Ok(version)
+                }
+                _ => Err(IngestError::CursorMoved {
+                    run: run.to_owned(),
+                    key: path.to_string(),
+                }),
+            }
+        }
         Err(object_store::Error::NotImplemented) => Err(IngestError::NoConditionalWrites {
             store: location.display.clone(),
         }),

@@ -461,6 +461,8 @@ struct Loaded {
     now: i64,
     ingest_seconds: f64,
     prepare_seconds: f64,
+    /// This run's id in the cursor it writes (`written_by`).
+    writer: String,
     /// The policy version announced when the run read the store (the trainer's
     /// manifest records it; `prepare` has it in its report's lag counts).
     #[cfg_attr(not(feature = "torch"), allow(dead_code))]
@@ -564,6 +566,7 @@ fn load_and_prepare(
         );
     }
     Ok(Loaded {
+        writer: run_id(),
         model,
         config,
         location,
@@ -596,12 +599,15 @@ impl Loaded {
 
     /// The cursor after this run.
     fn next_cursor(&self) -> ingest::Cursor {
-        ingest::next_cursor(
-            &self.read,
-            &self.prepared.pending,
-            self.config.ingest.lookback_hours,
-            &self.location.prefix,
-        )
+        ingest::Cursor {
+            written_by: self.writer.clone(),
+            ..ingest::next_cursor(
+                &self.read,
+                &self.prepared.pending,
+                self.config.ingest.lookback_hours,
+                &self.location.prefix,
+            )
+        }
     }
 
     fn segments(&self) -> Vec<String> {
@@ -641,8 +647,25 @@ fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where a run records what it commits to its cursor (see `torch_cli::CursorCommit`).
+/// An id for this run: process id, start time and a random number.
+fn run_id() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{}-{nanos}-{random:016x}", std::process::id())
+}
+
+/// Where a run records what it commits to its cursor (see `torch_cli::CursorCommit`)
+/// until the cursor is written; then it is renamed [`CURSOR_COMMITTED_FILE`], so a
+/// restart never takes a committed run for one to finish.
 const CURSOR_COMMIT_FILE: &str = "cursor-commit.json";
+/// [`CURSOR_COMMIT_FILE`] once the commit is in the store.
+#[cfg_attr(not(feature = "torch"), allow(dead_code))]
+const CURSOR_COMMITTED_FILE: &str = "cursor-committed.json";
 
 /// The file that marks an output directory whose run did not commit (its cursor write
 /// lost to another trainer's): it says why, and the directory has no `manifest.json`.

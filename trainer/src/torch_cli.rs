@@ -417,8 +417,19 @@ struct CursorCommit {
     after: ingest::Cursor,
 }
 
+/// Renames the cursor commit of `dir` to say it is in the store.
+fn committed(dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::rename(
+        dir.join(CURSOR_COMMIT_FILE),
+        dir.join(CURSOR_COMMITTED_FILE),
+    )
+    .with_context(|| format!("rename {}/{CURSOR_COMMIT_FILE}", dir.display()))
+}
+
 /// Writes the cursor a finished run in `dir` committed to, if the store still holds the
-/// one it started from (the trainer stopped between its manifest and its cursor).
+/// one it started from (the trainer stopped between its manifest and its cursor). A run
+/// whose commit is already in the store (`cursor-committed.json`) is left alone,
+/// whatever the cursor became since.
 fn finish_cursor_commit(
     location: &tapline_proto::store::StoreLocation,
     dir: &std::path::Path,
@@ -435,7 +446,7 @@ fn finish_cursor_commit(
         .context("start the async runtime")?;
     let (now, version) = runtime.block_on(ingest::read_cursor_versioned(location, &commit.run))?;
     if now == commit.after {
-        return Ok(());
+        return committed(dir);
     }
     let moved = if now == commit.before {
         match runtime.block_on(ingest::write_cursor(
@@ -449,7 +460,7 @@ fn finish_cursor_commit(
                     "train: {} was finished but its cursor not written (stopped in between); wrote it now",
                     dir.display()
                 );
-                return Ok(());
+                return committed(dir);
             }
             Err(e @ ingest::IngestError::CursorMoved { .. }) => e,
             Err(e) => return Err(e.into()),
@@ -457,7 +468,7 @@ fn finish_cursor_commit(
     } else {
         ingest::IngestError::CursorMoved {
             run: commit.run.clone(),
-            key: format!("trainer/runs/{}/cursor.json", commit.run),
+            key: ingest::cursor_key(location, &commit.run),
         }
     };
     // Another trainer advanced the cursor past what this directory was trained on: it
@@ -892,6 +903,9 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             mark_incomplete(&out, &e.to_string())?;
         }
         return Err(e.into());
+    }
+    if loaded.run.is_some() {
+        committed(&out)?;
     }
     println!(
         "train: {} step(s), {} loss tokens of {} tokens, {:.1}s ({:.1}s updating) -> {}",

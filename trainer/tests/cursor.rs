@@ -442,6 +442,30 @@ async fn of_two_runs_on_one_cursor_exactly_one_advances_it() {
             assert_eq!(cursor_now().await, next_a, "{url}: round {round}");
         }
 
+        // A client retry of a write that landed: the same cursor from the same stale
+        // version is that run's own write, a success; without a writer id it is not.
+        let (cursor, version) = read_cursor_versioned(&location, "r").await.unwrap();
+        let mine = Cursor {
+            written_by: "run-7".into(),
+            ..cursor.clone()
+        };
+        write_cursor(&location, "r", &mine, &version).await.unwrap();
+        write_cursor(&location, "r", &mine, &version)
+            .await
+            .unwrap_or_else(|e| panic!("{url}: the retried write: {e}"));
+        let (_, version_now) = read_cursor_versioned(&location, "r").await.unwrap();
+        let anonymous = Cursor {
+            written_by: String::new(),
+            ..cursor.clone()
+        };
+        write_cursor(&location, "r", &anonymous, &version_now)
+            .await
+            .unwrap();
+        assert!(matches!(
+            write_cursor(&location, "r", &anonymous, &version_now).await,
+            Err(IngestError::CursorMoved { .. })
+        ));
+
         // Eight runs from one version at once: one wins. (Not on s3s-fs: it checks
         // If-Match and then writes, without a lock between, so concurrent requests all
         // pass; S3 itself makes the check and the write one step.)

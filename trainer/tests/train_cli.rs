@@ -737,8 +737,18 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     );
 
     // As if the second run had stopped right after its manifest: its cursor not
-    // written, its adapter not published.
-    let commit = read_json(&base.join("000002/cursor-commit.json"));
+    // written (the commit file not renamed yet), its adapter not published.
+    let stopped_before_cursor = |dir: &str| {
+        let dir = base.join(dir);
+        assert!(!dir.join("cursor-commit.json").exists());
+        std::fs::rename(
+            dir.join("cursor-committed.json"),
+            dir.join("cursor-commit.json"),
+        )
+        .unwrap();
+        read_json(&dir.join("cursor-commit.json"))
+    };
+    let commit = stopped_before_cursor("000002");
     let before: tapline_trainer::ingest::Cursor =
         serde_json::from_value(commit["before"].clone()).unwrap();
     let run_name = commit["run"].as_str().unwrap();
@@ -754,6 +764,7 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     wait_for(base.join("000003/published.json"));
     let (stdout, _) = f.terminate();
     assert!(stdout.contains("its cursor not written"), "{stdout}");
+    assert!(base.join("000002/cursor-committed.json").is_file());
     assert_eq!(
         published_from("000002"),
         (4, base.join("000002").display().to_string())
@@ -796,7 +807,7 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     // As if the third run had stopped right after its manifest, and another trainer on
     // the same cursor had moved it since: the restart cannot commit the third run; it
     // says so, exits non-zero and marks the directory incomplete (no manifest).
-    let commit = read_json(&base.join("000003/cursor-commit.json"));
+    let commit = stopped_before_cursor("000003");
     let mut elsewhere: tapline_trainer::ingest::Cursor =
         serde_json::from_value(commit["before"].clone()).unwrap();
     elsewhere

@@ -341,6 +341,13 @@ pub fn build(
     std::fs::write(context.join("Containerfile"), file)?;
 
     let [tag, alias] = kind.tags();
+    let previous = podman
+        .cmd()
+        .args(["image", "inspect", "--format", "{{.Id}}", &tag])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
     crate::run(
         podman
             .cmd()
@@ -350,8 +357,10 @@ pub fn build(
             .arg(&context),
     )?;
     let _ = std::fs::remove_dir_all(&context);
-    // The image these tags named before is dangling now: drop it.
-    let _ = podman.cmd().args(["image", "prune", "-f"]).output();
+    // The image these tags named before is dangling now: drop it (only it).
+    if let Some(previous) = previous {
+        let _ = podman.cmd().args(["rmi", &previous]).output();
+    }
     podman.size(&tag)
 }
 
