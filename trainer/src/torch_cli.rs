@@ -11,7 +11,7 @@ use serde_json::Value;
 use tapline_trainer::ingest;
 use tapline_trainer::nn::{self, Transformer, checkpoint};
 
-use super::*;
+use crate::cli::*;
 
 /// Where a training run's weights and optimizer state come from.
 struct Start {
@@ -898,12 +898,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     // The commit: of two trainers that read the same cursor, one gets here first and the
     // other's directory loses its manifest (a stop right before this is finished by
     // `finish_cursor_commit` on restart).
-    if let Err(e) = loaded.advance_cursor() {
-        if matches!(e, ingest::IngestError::CursorMoved { .. }) {
-            mark_incomplete(&out, &e.to_string())?;
-        }
-        return Err(e.into());
-    }
+    loaded.commit(&out)?;
     if loaded.run.is_some() {
         committed(&out)?;
     }
