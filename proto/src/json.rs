@@ -33,7 +33,7 @@ pub fn record_to_json(record: &Record) -> Value {
 }
 
 /// Lower-case enum name without the type prefix: `OUTCOME_CLIENT_ABORTED` → `client_aborted`.
-fn enum_name(full: &str, prefix: &str) -> String {
+pub fn enum_name(full: &str, prefix: &str) -> String {
     full.strip_prefix(prefix)
         .unwrap_or(full)
         .to_ascii_lowercase()

@@ -1,16 +1,27 @@
 //! Segment objects: many [`Record`]s in one compressed, checksummed object.
 //!
+//! Version 2 (written since tapline 0.2): the header and the trailer are zstd
+//! *skippable frames*, so the whole object is a valid zstd stream and `zstd -dc` of it
+//! yields the body — the length-delimited record stream — as is:
+//!
 //! ```text
-//! header   8 bytes   magic "TLSG" | version u8 (= 1) | flags u8 (= 0) | reserved u16 (= 0)
-//! body     one zstd frame (with content checksum) whose content is a sequence of
-//!          length-delimited records: varint(len) | Record protobuf (len bytes)
-//! trailer 24 bytes   record count u64 LE | body length u64 LE (uncompressed bytes)
+//! header  16 bytes   skippable frame: magic 0x184D2A5E u32 LE | frame size u32 LE (= 8)
+//!                    | "TLSG" | version u8 (= 2) | flags u8 (= 0) | reserved u16 (= 0)
+//! body               one zstd frame (with content checksum) whose content is a sequence
+//!                    of length-delimited records: varint(len) | Record protobuf (len bytes)
+//! trailer 32 bytes   skippable frame: magic 0x184D2A5E u32 LE | frame size u32 LE (= 24)
+//!                    | record count u64 LE | body length u64 LE (uncompressed bytes)
 //!                    | crc32c u32 LE | end magic "GSLT"
 //! ```
 //!
-//! The crc32c covers every byte before it: header, compressed body, count and length.
-//! Together with the end magic and the count and length checks, every single-byte
-//! corruption and every truncation of a valid object is reported as an error.
+//! Version 1 (tapline 0.1) is the same without the two skippable-frame prefixes: an
+//! 8-byte header `"TLSG" | 1 | 0 | 0 0` and a 24-byte trailer. The reader reads both;
+//! [`SegmentWriter::with_version`] still writes version 1, for readers not yet upgraded.
+//!
+//! The crc32c covers every byte before it: header, compressed body, the trailer's frame
+//! prefix, count and length. Together with the end magic, the frame prefixes and the
+//! count and length checks, every single-byte corruption and every truncation of a valid
+//! object is reported as an error.
 //!
 //! The reader streams: it holds one input buffer, the zstd window (capped by
 //! [`Limits::max_window_log`]) and at most one record (capped by
@@ -34,12 +45,23 @@ use crate::Record;
 pub const MAGIC: [u8; 4] = *b"TLSG";
 /// Last four bytes of every segment object.
 pub const END_MAGIC: [u8; 4] = *b"GSLT";
-/// The format version this crate writes, and the newest it reads.
-pub const VERSION: u8 = 1;
-/// Size of the header in bytes.
-pub const HEADER_LEN: usize = 8;
-/// Size of the trailer in bytes.
-pub const TRAILER_LEN: usize = 24;
+/// The format version this crate writes by default, and the newest it reads.
+pub const VERSION: u8 = 2;
+/// The oldest format version this crate reads and writes.
+pub const OLDEST_VERSION: u8 = 1;
+/// The zstd skippable-frame magic number (one of 0x184D2A50..=0x184D2A5F) that frames
+/// the header and the trailer of a version 2 segment; little-endian in the object.
+pub const SKIPPABLE_MAGIC: u32 = 0x184D_2A5E;
+/// Size of the header in bytes (version 2).
+pub const HEADER_LEN: usize = 16;
+/// Size of the trailer in bytes (version 2).
+pub const TRAILER_LEN: usize = 32;
+/// Size of a version 1 header in bytes.
+pub const V1_HEADER_LEN: usize = 8;
+/// Size of a version 1 trailer in bytes.
+pub const V1_TRAILER_LEN: usize = 24;
+/// Bytes of a skippable frame's prefix: magic and frame size.
+const FRAME_PREFIX_LEN: usize = 8;
 /// Default zstd level for segments.
 pub const DEFAULT_LEVEL: i32 = 3;
 
@@ -154,6 +176,7 @@ impl<W: Write> Write for Checksummed<W> {
 /// Writes one segment object to a `Write`.
 pub struct SegmentWriter<W: Write> {
     encoder: zstd::stream::write::Encoder<'static, Checksummed<W>>,
+    version: u8,
     records: u64,
     body_bytes: u64,
     scratch: Vec<u8>,
@@ -169,18 +192,37 @@ impl<W: Write> std::fmt::Debug for SegmentWriter<W> {
 }
 
 impl<W: Write> SegmentWriter<W> {
-    /// Starts a segment with the given zstd level (1..=22; [`DEFAULT_LEVEL`] is a good choice).
+    /// Starts a segment of the current format ([`VERSION`]) with the given zstd level
+    /// (1..=22; [`DEFAULT_LEVEL`] is a good choice).
     pub fn new(sink: W, level: i32) -> Result<Self, SegmentError> {
+        Self::with_version(sink, level, VERSION)
+    }
+
+    /// Starts a segment of format `version` ([`OLDEST_VERSION`]..=[`VERSION`]): version 1
+    /// is for readers older than tapline 0.2, during an upgrade.
+    pub fn with_version(sink: W, level: i32, version: u8) -> Result<Self, SegmentError> {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
+            return Err(SegmentError::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "segment format version {version} cannot be written: use {OLDEST_VERSION} to {VERSION}"
+                ),
+            )));
+        }
         let mut sink = Checksummed {
             inner: sink,
             crc: 0,
             written: 0,
         };
-        sink.write_all(&header())?;
+        if version >= 2 {
+            sink.write_all(&frame_prefix(V1_HEADER_LEN))?;
+        }
+        sink.write_all(&header(version))?;
         let mut encoder = zstd::stream::write::Encoder::new(sink, level)?;
         encoder.include_checksum(true)?;
         Ok(SegmentWriter {
             encoder,
+            version,
             records: 0,
             body_bytes: 0,
             scratch: Vec::new(),
@@ -212,6 +254,9 @@ impl<W: Write> SegmentWriter<W> {
     /// Ends the zstd frame, writes the trailer, and returns the sink.
     pub fn finish(self) -> Result<(W, SegmentSummary), SegmentError> {
         let mut sink = self.encoder.finish()?;
+        if self.version >= 2 {
+            sink.write_all(&frame_prefix(V1_TRAILER_LEN))?;
+        }
         let mut tail = [0u8; 16];
         tail[..8].copy_from_slice(&self.records.to_le_bytes());
         tail[8..].copy_from_slice(&self.body_bytes.to_le_bytes());
@@ -232,19 +277,38 @@ impl<W: Write> SegmentWriter<W> {
     }
 }
 
-fn header() -> [u8; HEADER_LEN] {
-    let mut h = [0u8; HEADER_LEN];
+/// The tapline header proper: the whole header of version 1, the skippable frame's
+/// content in version 2.
+fn header(version: u8) -> [u8; V1_HEADER_LEN] {
+    let mut h = [0u8; V1_HEADER_LEN];
     h[..4].copy_from_slice(&MAGIC);
-    h[4] = VERSION;
+    h[4] = version;
     h
 }
 
-/// Encodes records into one segment object in memory.
+/// A skippable frame's magic and the size of the `content_len` bytes that follow it.
+fn frame_prefix(content_len: usize) -> [u8; FRAME_PREFIX_LEN] {
+    let mut p = [0u8; FRAME_PREFIX_LEN];
+    p[..4].copy_from_slice(&SKIPPABLE_MAGIC.to_le_bytes());
+    p[4..].copy_from_slice(&(content_len as u32).to_le_bytes());
+    p
+}
+
+/// Encodes records into one segment object (of the current format) in memory.
 pub fn encode_segment<'a>(
     records: impl IntoIterator<Item = &'a Record>,
     level: i32,
 ) -> Result<(Vec<u8>, SegmentSummary), SegmentError> {
-    let mut writer = SegmentWriter::new(Vec::new(), level)?;
+    encode_segment_version(records, level, VERSION)
+}
+
+/// [`encode_segment`] in format `version` (see [`SegmentWriter::with_version`]).
+pub fn encode_segment_version<'a>(
+    records: impl IntoIterator<Item = &'a Record>,
+    level: i32,
+    version: u8,
+) -> Result<(Vec<u8>, SegmentSummary), SegmentError> {
+    let mut writer = SegmentWriter::with_version(Vec::new(), level, version)?;
     for record in records {
         writer.append(record)?;
     }
@@ -317,6 +381,7 @@ const OUTPUT_CHUNK: usize = 64 << 10;
 pub struct SegmentReader<R> {
     source: R,
     limits: Limits,
+    version: u8,
     decoder: RawDecoder<'static>,
     /// Compressed bytes read from `source` and not yet consumed: `input[input_pos..]`.
     input: Vec<u8>,
@@ -347,47 +412,76 @@ impl<R> std::fmt::Debug for SegmentReader<R> {
 }
 
 impl<R: Read> SegmentReader<R> {
-    /// Reads and checks the header.
+    /// Reads and checks the header (of either format version).
     pub fn new(mut source: R, limits: Limits) -> Result<Self, SegmentError> {
+        let skippable = SKIPPABLE_MAGIC.to_le_bytes();
         let mut h = [0u8; HEADER_LEN];
-        let n = read_full(&mut source, &mut h)?;
-        if n < MAGIC.len() {
+        let n = read_full(&mut source, &mut h[..4])?;
+        if n < 4 {
             return Err(if n == 0 {
                 SegmentError::Truncated {
                     part: "header (the object is empty)",
                 }
-            } else if h[..n] != MAGIC[..n] {
+            } else if h[..n] == MAGIC[..n] || h[..n] == skippable[..n] {
+                SegmentError::Truncated { part: "header" }
+            } else {
                 SegmentError::WrongMagic {
                     expected: MAGIC,
                     found: h[..n].to_vec(),
                 }
-            } else {
-                SegmentError::Truncated { part: "header" }
             });
         }
-        if h[..4] != MAGIC {
+        let (len, framed) = if h[..4] == MAGIC {
+            (V1_HEADER_LEN, false)
+        } else if h[..4] == skippable {
+            (HEADER_LEN, true)
+        } else {
             return Err(SegmentError::WrongMagic {
                 expected: MAGIC,
                 found: h[..4].to_vec(),
             });
-        }
-        if n < HEADER_LEN {
+        };
+        if 4 + read_full(&mut source, &mut h[4..len])? < len {
             return Err(SegmentError::Truncated { part: "header" });
         }
-        match h[4] {
-            0 => return Err(SegmentError::corrupted("header names format version 0")),
-            v if v > VERSION => {
+        // The tapline header proper: all of version 1, the frame's content in version 2.
+        let inner = &h[len - V1_HEADER_LEN..len];
+        if framed && inner[..4] != MAGIC {
+            return Err(SegmentError::WrongMagic {
+                expected: MAGIC,
+                found: inner[..4].to_vec(),
+            });
+        }
+        let version = inner[4];
+        match (framed, version) {
+            (false, 1) | (true, 2..=VERSION) => {}
+            (_, v) if v > VERSION => {
                 return Err(SegmentError::FutureVersion {
                     version: v,
                     supported: VERSION,
                 });
             }
-            _ => {}
+            (false, v) => {
+                return Err(SegmentError::corrupted(format!(
+                    "a bare header names format version {v}: only version 1 has one"
+                )));
+            }
+            (true, v) => {
+                return Err(SegmentError::corrupted(format!(
+                    "a framed header names format version {v}: framing started with version 2"
+                )));
+            }
         }
-        if h[5..] != [0, 0, 0] {
+        if framed && h[4..8] != (V1_HEADER_LEN as u32).to_le_bytes() {
+            return Err(SegmentError::corrupted(format!(
+                "header frame size is {}, not {V1_HEADER_LEN}",
+                u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"))
+            )));
+        }
+        if inner[5..] != [0, 0, 0] {
             return Err(SegmentError::corrupted(format!(
                 "header flags {:02x?} are not zero",
-                &h[5..]
+                &inner[5..]
             )));
         }
         let mut decoder = RawDecoder::new()?;
@@ -397,6 +491,7 @@ impl<R: Read> SegmentReader<R> {
         Ok(SegmentReader {
             source,
             limits,
+            version,
             decoder,
             input: Vec::with_capacity(INPUT_CHUNK),
             input_pos: 0,
@@ -406,12 +501,17 @@ impl<R: Read> SegmentReader<R> {
             frame_done: false,
             decoder_full: false,
             finished: false,
-            crc: crc32c::crc32c(&h),
+            crc: crc32c::crc32c(&h[..len]),
             records: 0,
             body_bytes: 0,
             skipping: 0,
             skipped: Vec::new(),
         })
+    }
+
+    /// The format version of the segment (from its header).
+    pub fn version(&self) -> u8 {
+        self.version
     }
 
     /// Number of records passed so far (returned or skipped).
@@ -569,13 +669,19 @@ impl<R: Read> SegmentReader<R> {
     }
 
     fn read_trailer(&mut self) -> Result<(), SegmentError> {
+        // Version 2 prefixes the version 1 trailer with a skippable frame's magic and size.
+        let (len, off) = if self.version >= 2 {
+            (TRAILER_LEN, FRAME_PREFIX_LEN)
+        } else {
+            (V1_TRAILER_LEN, 0)
+        };
         let mut trailer = [0u8; TRAILER_LEN];
         let mut have = 0;
-        while have < TRAILER_LEN {
+        while have < len {
             if !self.fill_input()? {
                 return Err(SegmentError::Truncated { part: "trailer" });
             }
-            let take = (TRAILER_LEN - have).min(self.input.len() - self.input_pos);
+            let take = (len - have).min(self.input.len() - self.input_pos);
             trailer[have..have + take]
                 .copy_from_slice(&self.input[self.input_pos..self.input_pos + take]);
             self.input_pos += take;
@@ -584,18 +690,26 @@ impl<R: Read> SegmentReader<R> {
         if self.fill_input()? {
             return Err(SegmentError::corrupted("bytes follow the trailer"));
         }
-        if trailer[20..] != END_MAGIC {
+        let trailer = &trailer[..len];
+        if trailer[len - 4..] != END_MAGIC {
             return Err(SegmentError::corrupted("trailer magic is wrong"));
         }
-        let crc = crc32c::crc32c_append(self.crc, &trailer[..16]);
-        let stored_crc = u32::from_le_bytes(trailer[16..20].try_into().expect("4 bytes"));
+        if off > 0 && trailer[..off] != frame_prefix(V1_TRAILER_LEN) {
+            return Err(SegmentError::corrupted(
+                "trailer frame prefix is wrong (expected a skippable frame of 24 bytes)",
+            ));
+        }
+        let crc = crc32c::crc32c_append(self.crc, &trailer[..off + 16]);
+        let field = |at: usize| trailer[off + at..off + at + 8].try_into().expect("8 bytes");
+        let stored_crc =
+            u32::from_le_bytes(trailer[off + 16..off + 20].try_into().expect("4 bytes"));
         if crc != stored_crc {
             return Err(SegmentError::corrupted(format!(
                 "checksum mismatch: trailer says {stored_crc:08x}, content hashes to {crc:08x}"
             )));
         }
-        let count = u64::from_le_bytes(trailer[..8].try_into().expect("8 bytes"));
-        let body_len = u64::from_le_bytes(trailer[8..16].try_into().expect("8 bytes"));
+        let count = u64::from_le_bytes(field(0));
+        let body_len = u64::from_le_bytes(field(8));
         if count != self.records {
             return Err(SegmentError::corrupted(format!(
                 "trailer counts {count} records, body holds {}",

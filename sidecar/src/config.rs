@@ -99,6 +99,11 @@ pub struct RawConfig {
     /// zstd level of segments [default: 3].
     #[arg(long, env = "TAPLINE_ZSTD_LEVEL")]
     pub zstd_level: Option<i32>,
+    /// Segment format version written: 2 (header and trailer are zstd skippable frames,
+    /// so `zstd -dc` reads a segment) or 1, for trainers and dumps older than tapline 0.2
+    /// during an upgrade; readers read both [default: 2].
+    #[arg(long, env = "TAPLINE_SEGMENT_FORMAT")]
+    pub segment_format: Option<u8>,
     /// Most client connections served at once; a connection beyond it gets a 503
     /// (`Retry-After: 1`) and is closed [default: 1024].
     #[arg(long, env = "TAPLINE_MAX_CONNECTIONS")]
@@ -196,6 +201,8 @@ pub struct Config {
     pub segment_max_age: Duration,
     /// zstd level.
     pub zstd_level: i32,
+    /// Segment format version written.
+    pub segment_format: u8,
     /// Most client connections served at once.
     pub max_connections: usize,
     /// Time allowed for a request head, and for an idle keep-alive connection.
@@ -264,6 +271,7 @@ impl RawConfig {
             fsync_interval_ms: self.fsync_interval_ms.or(fallback.fsync_interval_ms),
             segment_max_age_secs: self.segment_max_age_secs.or(fallback.segment_max_age_secs),
             zstd_level: self.zstd_level.or(fallback.zstd_level),
+            segment_format: self.segment_format.or(fallback.segment_format),
             max_connections: self.max_connections.or(fallback.max_connections),
             header_read_timeout_secs: self
                 .header_read_timeout_secs
@@ -390,6 +398,20 @@ impl RawConfig {
         if !(1..=22).contains(&zstd_level) {
             return Err(bad("zstd-level", format!("{zstd_level} is outside 1..=22")));
         }
+        let segment_format = self
+            .segment_format
+            .unwrap_or(tapline_proto::segment::VERSION);
+        let formats = tapline_proto::segment::OLDEST_VERSION..=tapline_proto::segment::VERSION;
+        if !formats.contains(&segment_format) {
+            return Err(bad(
+                "segment-format",
+                format!(
+                    "{segment_format} is not a segment format this sidecar writes: use {} or {}",
+                    formats.start(),
+                    formats.end()
+                ),
+            ));
+        }
         let max_connections = self.max_connections.unwrap_or(1024);
         if max_connections == 0 {
             return Err(bad("max-connections", "must be at least 1"));
@@ -445,6 +467,7 @@ impl RawConfig {
             fsync_interval: Duration::from_millis(fsync_interval_ms),
             segment_max_age: secs("segment-max-age-secs", self.segment_max_age_secs, 10.0)?,
             zstd_level,
+            segment_format,
             max_connections,
             header_read_timeout,
             policy,
@@ -531,6 +554,13 @@ mod tests {
                     ..raw("http://x")
                 },
                 "idle-timeout-secs",
+            ),
+            (
+                RawConfig {
+                    segment_format: Some(3),
+                    ..raw("http://x")
+                },
+                "segment-format",
             ),
             (
                 RawConfig {

@@ -100,6 +100,7 @@ impl Sidecar {
                 segment_max_age: config.segment_max_age,
                 fsync_interval: config.fsync_interval,
                 zstd_level: config.zstd_level,
+                segment_format: config.segment_format,
                 queue_capacity: 65_536,
             },
             metrics.clone(),

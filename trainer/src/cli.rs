@@ -164,6 +164,82 @@ pub(crate) struct ScoreArgs {
 }
 
 #[derive(Args)]
+pub(crate) struct ExportArgs {
+    /// Store URL (file:///dir, s3://bucket/prefix, gs://, az://, memory://).
+    #[arg(long, env = "TAPLINE_STORE")]
+    pub(crate) store: String,
+    /// Output directory (created if missing): calls.parquet, episodes.parquet,
+    /// rewards.parquet; files of an earlier export there are replaced.
+    #[arg(long)]
+    pub(crate) out: PathBuf,
+    /// Only episodes that started at or after this time: RFC 3339
+    /// (`2026-12-01T09:00:00Z`) or a UTC date (`2026-12-01`).
+    #[arg(long, value_parser = parse_time)]
+    pub(crate) since: Option<i64>,
+    /// Only episodes that started before this time (same forms as --since).
+    #[arg(long, value_parser = parse_time)]
+    pub(crate) until: Option<i64>,
+    /// Only episodes of this task (repeatable: any of them).
+    #[arg(long = "task")]
+    pub(crate) tasks: Vec<String>,
+    /// Only this episode (repeatable: any of them).
+    #[arg(long = "episode")]
+    pub(crate) episodes: Vec<String>,
+    /// Export without the segments that fail their checks and exit 0 (they are still
+    /// named on stderr); without it the rest is exported and the command fails.
+    #[arg(long)]
+    pub(crate) skip_damaged: bool,
+    /// Segments fetched at once (memory holds this many segment objects, 8 MiB at most
+    /// each).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) concurrent_reads: usize,
+    /// Print the summary as one JSON object instead of lines.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// The long help of `export`: what it does and every column of every file.
+pub(crate) fn export_long_help() -> String {
+    use tapline_trainer::export::{
+        CALL_COLUMNS, EPISODE_COLUMNS, REWARD_COLUMNS, SCHEMA_VERSION, SCHEMA_VERSION_KEY,
+    };
+    let mut help = format!(
+        "Records in the store -> Parquet files for DuckDB, pandas, Polars or Spark: calls.parquet (one row per LLM call), episodes.parquet (one per episode), rewards.parquet (one per reward). Needs no libtorch.\n\n\
+         Duplicates (at-least-once delivery) are dropped by record id; episodes are resolved as the trainer resolves them. Filters select episodes, and each file then holds the rows of those episodes. Segments are read one at a time (memory is one segment, not the store); with a filter the store is read twice.\n\n\
+         Each file's key-value metadata holds {SCHEMA_VERSION_KEY} = {SCHEMA_VERSION}. Columns (`?`: nullable):\n"
+    );
+    for (file, columns) in [
+        ("calls.parquet", CALL_COLUMNS),
+        ("episodes.parquet", EPISODE_COLUMNS),
+        ("rewards.parquet", REWARD_COLUMNS),
+    ] {
+        help.push_str(&format!("\n{file}:\n"));
+        for (name, ty, meaning) in columns {
+            help.push_str(&format!("  {name} ({ty}): {meaning}\n"));
+        }
+    }
+    help
+}
+
+/// A time on the command line: RFC 3339, or a date (midnight UTC); Unix nanoseconds.
+pub(crate) fn parse_time(text: &str) -> Result<i64, String> {
+    let parsed = chrono::DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .or_else(|_| {
+            chrono::NaiveDate::parse_from_str(text, "%Y-%m-%d")
+                .map(|d| d.and_hms_opt(0, 0, 0).expect("midnight exists").and_utc())
+        })
+        .map_err(|_| {
+            format!(
+                "{text:?} is not a time: use RFC 3339 (2026-12-01T09:00:00Z) or a date (2026-12-01)"
+            )
+        })?;
+    parsed
+        .timestamp_nanos_opt()
+        .ok_or_else(|| format!("{text:?} is outside the years 1678 to 2261"))
+}
+
+#[derive(Args)]
 pub(crate) struct PublishArgs {
     /// Store URL the sidecars follow (file:///dir, s3://bucket/prefix, gs://, az://, memory://).
     #[arg(long, env = "TAPLINE_STORE")]

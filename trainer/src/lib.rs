@@ -14,6 +14,7 @@
 //! 7. [`output`] — the documented batch files; [`report`] — what happened.
 //!
 //! [`pipeline::prepare`] runs stages 2–6; [`config::RunConfig`] configures them all.
+//! [`export`] reads the same records into Parquet files for data tools.
 
 pub mod advantages;
 pub mod batch;
@@ -21,6 +22,7 @@ pub mod chart;
 pub mod clean;
 pub mod config;
 pub mod drift;
+pub mod export;
 pub mod ingest;
 pub mod merge;
 pub mod model;

@@ -17,6 +17,8 @@
 //!   `{"logprobs": [...]}` through the model code the update uses.
 //! - `tokenize --model DIR`: reads one chat request as JSON on stdin and prints
 //!   `{"ids": [...]}`, the prompt ids `prepare` would use for it.
+//! - `export --store URL --out DIR [--since T] [--until T] [--task ID] [--episode ID]`:
+//!   the records as Parquet files (`tapline_trainer::export`).
 
 use std::io::Read as _;
 
@@ -104,6 +106,9 @@ enum Command {
     Plot(PlotArgs),
     /// One chat request on stdin → `{"ids": [...]}`, the prompt ids `prepare` would use.
     Tokenize(TokenizeArgs),
+    /// Records in the store → calls.parquet, episodes.parquet and rewards.parquet.
+    #[command(long_about = export_long_help())]
+    Export(ExportArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -114,6 +119,7 @@ fn main() -> anyhow::Result<()> {
         Command::Publish(args) => publish(&args),
         Command::Plot(args) => plot(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
+        Command::Export(args) => export(&args),
         #[cfg(feature = "torch")]
         Command::Train(args) => torch_cli::train(args),
         #[cfg(feature = "torch")]
@@ -205,6 +211,95 @@ fn prepare(args: PrepareArgs) -> anyhow::Result<()> {
         loaded.prepare_seconds,
     );
     loaded.commit(&args.out)
+}
+
+fn export(args: &ExportArgs) -> anyhow::Result<()> {
+    use tapline_trainer::export::{ExportError, ExportOptions, ExportSummary};
+    if let (Some(since), Some(until)) = (args.since, args.until)
+        && since >= until
+    {
+        anyhow::bail!("--since is not before --until: no episode can match");
+    }
+    let location = tapline_proto::store::open_store(&args.store)?;
+    let options = ExportOptions {
+        since: args.since,
+        until: args.until,
+        tasks: args.tasks.clone(),
+        episodes: args.episodes.clone(),
+        skip_damaged: args.skip_damaged,
+        concurrent_reads: args.concurrent_reads.max(1),
+        progress: true,
+        ..ExportOptions::default()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let started = std::time::Instant::now();
+    let result = runtime.block_on(tapline_trainer::export::export(
+        &location, &args.out, &options,
+    ));
+    let print = |summary: &ExportSummary| -> anyhow::Result<()> {
+        let seconds = started.elapsed().as_secs_f64();
+        if args.json {
+            let mut value = serde_json::to_value(summary)?;
+            value["seconds"] = seconds.into();
+            println!("{value}");
+            return Ok(());
+        }
+        for (key, error) in &summary.damaged_segments {
+            eprintln!("damaged segment {key}: {error}");
+        }
+        for (key, what) in &summary.oversized_records {
+            eprintln!("segment {key}: {what}");
+        }
+        println!(
+            "exported {} calls, {} episodes, {} rewards from {} segments ({} read, {} pass{}) in {seconds:.1}s",
+            summary.calls,
+            summary.episodes,
+            summary.rewards,
+            summary.segments,
+            human_bytes(summary.bytes_read),
+            summary.passes,
+            if summary.passes == 1 { "" } else { "es" },
+        );
+        if summary.duplicate_records > 0 {
+            println!("{} duplicate records dropped", summary.duplicate_records);
+        }
+        for (file, bytes) in &summary.files {
+            println!(
+                "  {} ({:.1} MB)",
+                args.out.join(file).display(),
+                *bytes as f64 / 1e6
+            );
+        }
+        Ok(())
+    };
+    match result {
+        Ok(summary) => print(&summary),
+        Err(ExportError::Damaged {
+            damaged,
+            out,
+            summary,
+        }) => {
+            print(&summary)?;
+            Err(ExportError::Damaged {
+                damaged,
+                out,
+                summary,
+            }
+            .into())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `bytes` in kB, MB or GB (powers of 1000).
+fn human_bytes(bytes: u64) -> String {
+    match bytes {
+        b if b < 1_000_000 => format!("{:.1} kB", b as f64 / 1e3),
+        b if b < 1_000_000_000 => format!("{:.1} MB", b as f64 / 1e6),
+        b => format!("{:.2} GB", b as f64 / 1e9),
+    }
 }
 
 fn plot(args: &PlotArgs) -> anyhow::Result<()> {

@@ -654,6 +654,39 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
                 report["policy"]
             );
         }
+        // The store opened to data tools: the Parquet export holds exactly what `dump`
+        // reads, checked with pyarrow and DuckDB (trainer/tests/export_check.py).
+        let export_dir = dir.join("export");
+        let out = Command::new(bin("tapline-trainer"))
+            .args(["export", "--store", &store, "--out"])
+            .arg(&export_dir)
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "export failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+        let dump = Command::new(bin("tapline-sidecar"))
+            .args(["dump", "--store", &store])
+            .output()?;
+        ensure!(
+            dump.status.success(),
+            "dump failed: {}",
+            String::from_utf8_lossy(&dump.stderr)
+        );
+        let dump_file = dir.join("dump.jsonl");
+        std::fs::write(&dump_file, &dump.stdout)?;
+        let check = Command::new(&python)
+            .arg(root.join("trainer/tests/export_check.py"))
+            .arg(&export_dir)
+            .arg("--against-dump")
+            .arg(&dump_file)
+            .status()?;
+        ensure!(
+            check.success(),
+            "the export differs from the store's records"
+        );
         println!(
             "demo smoke: {segments} segments, {} steps, checkpoint {}, policy server serves {version}",
             first["steps"].as_array().map_or(0, Vec::len),

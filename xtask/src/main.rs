@@ -128,6 +128,8 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         || {
             // `cargo test` built the sidecar binary; the Python tests drive that binary.
             let bin = root.join("target/debug/tapline-sidecar");
+            // test_segments.py reads segments with the zstd command, as a user would.
+            ensure_zstd()?;
             // The SDK as users get it: its wheel, which is also checked in a clean venv.
             let wheel = install_sdk(root, &python)?;
             check_wheel_in_clean_venv(root, &python, &wheel)?;
@@ -174,6 +176,22 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         },
     )?;
     eprintln!("xtask test: all steps passed in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+/// Installs the zstd command from Debian when it is missing.
+fn ensure_zstd() -> anyhow::Result<()> {
+    let have = Command::new("zstd")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        eprintln!("xtask: installing zstd (Debian package)");
+        run(Command::new("apt-get").args(["update", "-qq"]))?;
+        run(Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends", "zstd"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
     Ok(())
 }
 

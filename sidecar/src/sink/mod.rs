@@ -121,6 +121,9 @@ pub struct RecorderOptions {
     pub fsync_interval: Duration,
     /// zstd level of segments.
     pub zstd_level: i32,
+    /// Segment format version written (`tapline_proto::segment::VERSION` unless an
+    /// upgrade needs the older one).
+    pub segment_format: u8,
     /// Records that may wait in memory for the spool writer (policy `block`). The queue
     /// grows to this on demand; nothing is allocated up front.
     pub queue_capacity: usize,
@@ -533,6 +536,7 @@ mod tests {
             segment_max_age: Duration::from_secs(3600),
             fsync_interval: Duration::from_secs(3600),
             zstd_level: 3,
+            segment_format: tapline_proto::segment::VERSION,
             queue_capacity: 16,
         };
         let metrics = Arc::new(Metrics::default());

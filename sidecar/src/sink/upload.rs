@@ -28,9 +28,11 @@ use crate::spool::{Stored, delete_file, for_each_sealed};
 fn build_segment(
     path: &std::path::Path,
     level: i32,
+    format: u8,
     metrics: &Metrics,
 ) -> std::io::Result<(Vec<u8>, tapline_proto::segment::SegmentSummary)> {
-    let mut writer = SegmentWriter::new(Vec::new(), level).map_err(std::io::Error::other)?;
+    let mut writer =
+        SegmentWriter::with_version(Vec::new(), level, format).map_err(std::io::Error::other)?;
     let mut since_yield = 0usize;
     let (mut warned, mut body_errors) = (0u64, 0u64);
     for_each_sealed(path, |mut record, stored| {
@@ -126,10 +128,12 @@ pub(super) async fn upload_loop(
             return;
         }
         let path = sealed.path.clone();
-        let level = options.zstd_level;
+        let (level, format) = (options.zstd_level, options.segment_format);
         let build_metrics = shared.metrics.clone();
-        let built =
-            tokio::task::spawn_blocking(move || build_segment(&path, level, &build_metrics)).await;
+        let built = tokio::task::spawn_blocking(move || {
+            build_segment(&path, level, format, &build_metrics)
+        })
+        .await;
         let (bytes, summary) = match built {
             Ok(Ok(done)) => done,
             Ok(Err(error)) => {
@@ -244,7 +248,8 @@ mod tests {
     use tapline_proto::{LlmCall, Outcome};
 
     fn built_calls(path: &std::path::Path, metrics: &Metrics) -> Vec<LlmCall> {
-        let (bytes, summary) = build_segment(path, 3, metrics).unwrap();
+        let (bytes, summary) =
+            build_segment(path, 3, tapline_proto::segment::VERSION, metrics).unwrap();
         assert_eq!(summary.records, 1);
         decode_segment(&bytes, Limits::default())
             .unwrap()
@@ -318,6 +323,34 @@ mod tests {
         assert_eq!(calls[0].response_body, STREAM.as_bytes());
         assert_eq!(metrics.body_errors.load(Ordering::Relaxed), 1);
         assert_eq!(metrics.capture_warnings.load(Ordering::Relaxed), 1);
+    }
+
+    /// `--segment-format 1` (an upgrade with older readers) writes what tapline 0.1 wrote;
+    /// the default writes version 2, whose header is a zstd skippable frame.
+    #[test]
+    fn the_segment_format_setting_chooses_the_version_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 20, 0).unwrap();
+        spool
+            .append("s", 1, &mut Some(RecordKind::LlmCall(captured_call())))
+            .unwrap();
+        let sealed = spool.seal().unwrap().unwrap();
+        for (format, start) in [
+            (1, b"TLSG".to_vec()),
+            (
+                2,
+                tapline_proto::segment::SKIPPABLE_MAGIC
+                    .to_le_bytes()
+                    .to_vec(),
+            ),
+        ] {
+            let (bytes, _) = build_segment(&sealed.path, 3, format, &Metrics::default()).unwrap();
+            assert_eq!(&bytes[..4], &start[..]);
+            let reader =
+                tapline_proto::segment::SegmentReader::new(&bytes[..], Limits::default()).unwrap();
+            assert_eq!(reader.version(), format);
+            assert_eq!(decode_segment(&bytes, Limits::default()).unwrap().len(), 1);
+        }
     }
 
     #[test]
