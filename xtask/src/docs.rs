@@ -24,6 +24,7 @@ const BINARIES: [(&str, &[&str]); 3] = [
             "score",
             "merge-lora",
             "tokenize",
+            "export",
             "plot",
             "bench-update",
         ],
@@ -53,6 +54,17 @@ fn help(bin: &Path, subcommand: Option<&str>) -> anyhow::Result<String> {
         );
     }
     Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The subcommands a clap `--help` lists under `Commands:`.
+fn commands(help: &str) -> Vec<String> {
+    help.lines()
+        .skip_while(|l| l.trim() != "Commands:")
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter(|l| l.starts_with("  ") && !l.starts_with("    "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .collect()
 }
 
 /// The documented `run.toml` of `trainer/src/config.rs`'s module documentation.
@@ -89,10 +101,16 @@ pub fn generate(root: &Path, bin_dir: &Path) -> anyhow::Result<String> {
     );
     for (bin, subcommands) in BINARIES {
         let path = bin_dir.join(bin);
-        out.push_str(&format!(
-            "\n## `{bin}`\n\n```text\n{}```\n",
-            help(&path, None)?
-        ));
+        let top = help(&path, None)?;
+        // A new subcommand must be documented too.
+        for listed in commands(&top) {
+            if listed != "help" && !subcommands.contains(&listed.as_str()) {
+                bail!(
+                    "`{bin} {listed}` is not in xtask/src/docs.rs's BINARIES: add it there so docs/reference.md documents it"
+                );
+            }
+        }
+        out.push_str(&format!("\n## `{bin}`\n\n```text\n{top}```\n"));
         for sub in subcommands {
             out.push_str(&format!(
                 "\n### `{bin} {sub}`\n\n```text\n{}```\n",
