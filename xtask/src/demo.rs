@@ -110,7 +110,7 @@ impl Options {
 
 /// Child processes stopped with SIGTERM (then waited for) when dropped.
 #[derive(Default)]
-struct Children(Vec<(String, Child)>);
+pub(crate) struct Children(pub(crate) Vec<(String, Child)>);
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -137,13 +137,18 @@ impl Drop for Children {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// A small blocking HTTP client over the Python in the venv would be overkill; curl is
 /// not guaranteed either, so this speaks HTTP/1.1 over a TcpStream.
-fn http(method: &str, url: &str, body: Option<&Value>) -> anyhow::Result<(u16, String, Value)> {
+/// A plain HTTP/1.1 request: the status, the body as text and as JSON (null if not).
+pub(crate) fn http(
+    method: &str,
+    url: &str,
+    body: Option<&Value>,
+) -> anyhow::Result<(u16, String, Value)> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").context("http:// URL")?;
     let (host, path) = rest
@@ -175,7 +180,7 @@ fn http(method: &str, url: &str, body: Option<&Value>) -> anyhow::Result<(u16, S
         payload.to_owned()
     };
     let value = serde_json::from_str(&payload).unwrap_or(Value::Null);
-    Ok((status, head.to_owned(), value))
+    Ok((status, payload, value))
 }
 
 fn dechunk(mut s: &str) -> String {
@@ -193,7 +198,12 @@ fn dechunk(mut s: &str) -> String {
     out
 }
 
-fn wait_healthy(name: &str, url: &str, child: &mut Child, timeout: Duration) -> anyhow::Result<()> {
+pub(crate) fn wait_healthy(
+    name: &str,
+    url: &str,
+    child: &mut Child,
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     loop {
         if let Ok((200, _, _)) = http("GET", url, None) {
@@ -212,7 +222,7 @@ fn wait_healthy(name: &str, url: &str, child: &mut Child, timeout: Duration) -> 
     }
 }
 
-fn spawn(
+pub(crate) fn spawn(
     name: &str,
     cmd: &mut Command,
     logs: &Path,

@@ -4,6 +4,8 @@
 //!   `cargo clippy --all-targets -D warnings` and every test in the workspace. It is the
 //!   one test command: CI (`.ci/run`) calls it, and README.md names it.
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
+//! - `cargo xtask swe [--smoke]`: the SWE recipe (`examples/swe`, see `swe.rs`):
+//!   mini-swe-agent's records through prepare and a training step.
 //! - `cargo xtask fuzz [--secs N]`: builds the cargo-fuzz targets in `sidecar/fuzz` and
 //!   runs each for N seconds (`cargo xtask test` runs each for 5).
 //! - `cargo xtask image [--check] [--debug] [sidecar] [trainer] [trainer-prepare]`: OCI
@@ -36,6 +38,7 @@ mod demo;
 mod docs;
 mod fuzz;
 mod image;
+mod swe;
 use assets::{
     check_wheel_in_clean_venv, ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env,
 };
@@ -46,6 +49,9 @@ commands:
   test    install what is missing, then fmt check, clippy and every test
   demo       run the closed training loop on this machine (flags: --iterations N
              --tasks N --group-size N --max-tokens N --lr X --seed N --lora --smoke)
+  swe        the SWE recipe: mini-swe-agent on examples/swe's tasks through the
+             sidecar, then prepare and one training step (flags: --smoke
+             --samples N --step-limit N --max-tokens N)
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
   bench-dist data-parallel update under torchrun, 1 vs 2 ranks on CPU (flags:
              --preset P --sequences N --seq-len N --steps N)
@@ -65,6 +71,7 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(&root, &args[1..]),
         Some("demo") => demo::demo(&root, &args[1..]),
+        Some("swe") => swe::swe(&root, &args[1..]),
         Some("gpu-check") => gpu_check(&root, &args[1..]),
         Some("bench-dist") => bench_dist(&root, &args[1..]),
         Some("fuzz") => {
@@ -167,6 +174,10 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     step("closed loop, short (`cargo xtask demo --smoke`)", || {
         demo::demo(root, &["--smoke".to_owned()])
     })?;
+    step(
+        "SWE recipe, short (`cargo xtask swe --smoke`): mini-swe-agent through the sidecar, prepare, one step",
+        || swe::swe(root, &["--smoke".to_owned()]),
+    )?;
     // Last: it replaces target/debug/tapline-trainer with the build without libtorch.
     step(
         "container images FROM scratch (podman) of the debug builds: the sidecar records through its image, the trainer without libtorch prepares in its image",
