@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--store", required=True)
     parser.add_argument("--store-dir", required=True)
     parser.add_argument("--rollouts", required=True)
-    parser.add_argument("--metrics", default=None)
+    parser.add_argument("--metrics", default=None, help="the /metrics of the sidecar of --metrics-model's rollouts")
+    parser.add_argument("--metrics-model", default=None, help="the model whose rollouts went through that sidecar")
     args = parser.parse_args()
 
     dump = subprocess.run([args.sidecar_bin, "dump", "--store", args.store], capture_output=True, text=True)
@@ -105,18 +106,26 @@ def main() -> None:
         if passed != result["reward"]:
             fail(f"{result['task']}-{result['sample']}: reward {result['reward']} but {passed} of the hidden tests passed")
 
-    stored = raw = 0
-    for segment in Path(args.store_dir).rglob("*.tlseg"):
+    stored = 0
+    bodies = []
+    for segment in sorted(Path(args.store_dir).rglob("*.tlseg")):
         stored += segment.stat().st_size
-        raw += len(subprocess.run(["zstd", "-dc", str(segment)], capture_output=True, check=True).stdout)
+        bodies.append(subprocess.run(["zstd", "-dc", str(segment)], capture_output=True, check=True).stdout)
+    raw = sum(len(b) for b in bodies)
+    # The same records in one segment (the sidecar cuts at 10 s or 8 MiB; this smoke run
+    # cuts every second, so its segments hold a few records each).
+    together = len(subprocess.run(["zstd", "-3", "-c"], input=b"".join(bodies), capture_output=True, check=True).stdout)
     n_calls = sum(len(v) for v in calls_by_episode.values())
-    wall = sum(r["seconds"] for r in results)
+    wall = sum(r["seconds"] for r in results if args.metrics_model in (None, r.get("model")))
     added = None
     if args.metrics:
         text = Path(args.metrics).read_text()
         total = re.search(r"^tapline_added_latency_seconds_sum(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
         added = float(total.group(1)) if total else None
-    rewards = sorted(r["reward"] for r in results)
+    rewards = {
+        model: sorted(r["reward"] for r in results if r.get("model") == model)
+        for model in sorted({r.get("model") for r in results})
+    }
     print(json.dumps({
         "rollouts": len(results),
         "calls": n_calls,
@@ -127,11 +136,12 @@ def main() -> None:
         "stored_bytes_per_call": stored / max(n_calls, 1),
         "record_bytes_per_call": raw / max(n_calls, 1),
         "compression_ratio": raw / stored if stored else None,
+        "compression_ratio_one_segment": raw / together if together else None,
         "rollout_seconds": wall,
         "sidecar_added_seconds": added,
         "sidecar_share_of_wall_time": added / wall if added is not None and wall else None,
         "rewards": rewards,
-        "resolved": sum(r["resolved"] for r in results),
+        "resolved": {m: sum(r["resolved"] for r in results if r.get("model") == m) for m in rewards},
     }))
 
 

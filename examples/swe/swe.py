@@ -190,6 +190,7 @@ def rollout(args: argparse.Namespace) -> dict:
         "episode_id": episode.id,
         "task": task["instance_id"],
         "sample": args.sample,
+        "model": args.model,
         "exit_status": exit_status,
         "seconds": round(time.monotonic() - started, 3),
         "trajectory": str(out / "trajectory.json"),

@@ -8,7 +8,10 @@
 //!    the hidden tests and the host, has no network and no package index; grading
 //!    ignores a planted conftest; every task fails exactly its FAIL_TO_PASS untouched and
 //!    passes with its gold patch);
-//! 2. `samples` rollouts of every task through the sidecar (`swe.py rollout`);
+//! 2. `samples` rollouts of every task through the sidecar (`swe.py rollout`), and one
+//!    more by a scripted expert (`examples/swe/expert.py`: read, patch, check, submit)
+//!    through a second sidecar, so the records hold real bash actions and observations
+//!    and each group a resolved task;
 //! 3. `examples/swe/check.py`: the records equal the agent's own trajectories, every call
 //!    is in its rollout's episode, the recorded rewards are the grader's; bytes per
 //!    call, compression, the sidecar's share of the wall time;
@@ -215,6 +218,45 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
         Duration::from_secs(30),
     )?;
 
+    // The scripted expert (examples/swe/expert.py) behind a sidecar of its own, writing
+    // to the same store: one rollout per task beside the policy's samples.
+    let expert_port = free_port()?;
+    let expert = format!("http://127.0.0.1:{expert_port}");
+    spawn(
+        "expert",
+        Command::new(&swe_python)
+            .arg(recipe.join("expert.py"))
+            .args(["--port", &expert_port.to_string()]),
+        &logs,
+        &mut children,
+    )?;
+    let expert_sidecar_port = free_port()?;
+    let expert_sidecar = format!("http://127.0.0.1:{expert_sidecar_port}");
+    spawn(
+        "sidecar-expert",
+        Command::new(bin("tapline-sidecar"))
+            .args(["--listen", &format!("127.0.0.1:{expert_sidecar_port}")])
+            .args(["--upstream", &expert, "--upstream-kind", "openai"])
+            .args(["--store", &store])
+            .arg("--spool-dir")
+            .arg(dir.join("spool-expert"))
+            .args(["--sidecar-id", "swe-expert", "--segment-max-age-secs", "1"]),
+        &logs,
+        &mut children,
+    )?;
+    wait_healthy(
+        "expert",
+        &format!("{expert}/health"),
+        &mut children.0[2].1,
+        Duration::from_secs(30),
+    )?;
+    wait_healthy(
+        "expert sidecar",
+        &format!("{expert_sidecar}/tapline/v1/health"),
+        &mut children.0[3].1,
+        Duration::from_secs(30),
+    )?;
+
     let mut tasks: Vec<PathBuf> = std::fs::read_dir(recipe.join("tasks"))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.join("task.json").is_file())
@@ -228,17 +270,27 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
         o.max_tokens
     );
     for task in &tasks {
-        for sample in 0..o.samples {
+        // The policy's samples, then the expert's (the last sample of the group).
+        for sample in 0..=o.samples {
+            let (model, via) = if sample < o.samples {
+                ("policy", &sidecar)
+            } else {
+                ("expert", &expert_sidecar)
+            };
             let out = Command::new(&swe_python)
                 .arg(recipe.join("swe.py"))
                 .arg("rollout")
                 .arg("--task")
                 .arg(task)
-                .args(["--sample", &sample.to_string(), "--model", "policy"])
+                .args(["--sample", &sample.to_string(), "--model", model])
                 .arg("--out")
                 .arg(&rollouts)
-                .args(["--sidecar", &sidecar])
-                .args(["--step-limit", &o.step_limit.to_string()])
+                .args(["--sidecar", via])
+                // The expert needs four steps (read, patch, check, submit).
+                .args([
+                    "--step-limit",
+                    &if model == "expert" { 6 } else { o.step_limit }.to_string(),
+                ])
                 .args(["--max-tokens", &o.max_tokens.to_string()])
                 .args(["--command-timeout", "20"])
                 .stderr(Stdio::inherit())
@@ -255,7 +307,7 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
             let result: Value = serde_json::from_slice(&std::fs::read(&file)?)
                 .with_context(|| format!("{} is not JSON", file.display()))?;
             eprintln!(
-                "swe: {} #{sample}: {}, reward {} ({:.1}s)",
+                "swe: {} #{sample} ({model}): {}, reward {} ({:.1}s)",
                 result["task"].as_str().unwrap_or("?"),
                 result["exit_status"].as_str().unwrap_or("?"),
                 result["reward"],
@@ -263,6 +315,7 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
             );
         }
     }
+    // The policy sidecar's added latency, against the policy rollouts' wall time.
     let (status, metrics, _) = http("GET", &format!("{sidecar}/metrics"), None)?;
     ensure!(status == 200, "GET /metrics answered {status}");
     std::fs::write(dir.join("metrics.txt"), metrics)?;
@@ -280,6 +333,7 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
         .arg(&rollouts)
         .arg("--metrics")
         .arg(dir.join("metrics.txt"))
+        .args(["--metrics-model", "policy"])
         .stderr(Stdio::inherit())
         .output()?;
     ensure!(
@@ -307,6 +361,17 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
             .arg(&config),
     )?;
     let report: Value = serde_json::from_slice(&std::fs::read(prepared.join("report.json"))?)?;
+    // The GPU recipe's configuration stays one the trainer accepts (same records).
+    crate::run(
+        Command::new(bin("tapline-trainer"))
+            .args(["prepare", "--no-cursor", "--store", &store, "--model"])
+            .arg(&model)
+            .arg("--out")
+            .arg(dir.join("prepare-gpu-config"))
+            .arg("--config")
+            .arg(recipe.join("gpu/run.toml"))
+            .stdout(Stdio::null()),
+    )?;
     let trained = dir.join("train");
     crate::run(
         Command::new(bin("tapline-trainer"))
