@@ -68,12 +68,19 @@ pub fn ensure_venv(root: &Path) -> anyhow::Result<PathBuf> {
             bail!("`{base} -m venv {}` exited with {status}", venv.display());
         }
     }
+    pip_install_requirements(&python, &requirements_file)?;
+    std::fs::write(&stamp, requirements)?;
+    Ok(python)
+}
+
+/// `pip install -r requirements` into the venv of `python`.
+pub fn pip_install_requirements(python: &Path, requirements: &Path) -> anyhow::Result<()> {
     eprintln!(
-        "xtask: installing {} into {}",
-        requirements_file.display(),
-        venv.display()
+        "xtask: installing {} with {}",
+        requirements.display(),
+        python.display()
     );
-    let status = Command::new(&python)
+    let status = Command::new(python)
         .args([
             "-m",
             "pip",
@@ -82,17 +89,16 @@ pub fn ensure_venv(root: &Path) -> anyhow::Result<PathBuf> {
             "--disable-pip-version-check",
             "-r",
         ])
-        .arg(&requirements_file)
+        .arg(requirements)
         .status()
         .with_context(|| format!("cannot run {}", python.display()))?;
     if !status.success() {
         bail!(
             "pip install -r {} exited with {status}",
-            requirements_file.display()
+            requirements.display()
         );
     }
-    std::fs::write(&stamp, requirements)?;
-    Ok(python)
+    Ok(())
 }
 
 /// (directory under `.cache/assets/`, npm package, version).
@@ -334,7 +340,7 @@ fn build_sdk_wheel(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
     Ok(wheel)
 }
 
-fn pip_install_wheel(python: &Path, wheel: &Path) -> anyhow::Result<()> {
+pub fn pip_install_wheel(python: &Path, wheel: &Path) -> anyhow::Result<()> {
     let status = Command::new(python)
         .args([
             "-m",

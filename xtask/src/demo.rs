@@ -222,6 +222,27 @@ pub(crate) fn wait_healthy(
     }
 }
 
+/// `tapline-sidecar` (the debug build) on 127.0.0.1:`port` in front of `upstream`,
+/// recording to `store` as `id`, cutting a segment every second.
+pub(crate) fn sidecar_command(
+    root: &Path,
+    port: u16,
+    upstream: &str,
+    kind: &str,
+    store: &str,
+    spool: &Path,
+    id: &str,
+) -> Command {
+    let mut cmd = Command::new(root.join("target/debug/tapline-sidecar"));
+    cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--upstream", upstream, "--upstream-kind", kind])
+        .args(["--store", store])
+        .arg("--spool-dir")
+        .arg(spool)
+        .args(["--sidecar-id", id, "--segment-max-age-secs", "1"]);
+    cmd
+}
+
 pub(crate) fn spawn(
     name: &str,
     cmd: &mut Command,
@@ -382,26 +403,28 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     let sidecar = format!("http://127.0.0.1:{sidecar_port}");
     spawn(
         "sidecar",
-        Command::new(bin("tapline-sidecar"))
-            .args(["--listen", &format!("127.0.0.1:{sidecar_port}")])
-            .args(["--upstream", &policy, "--upstream-kind", "vllm"])
-            .args(["--store", &store])
-            .arg("--spool-dir")
-            .arg(dir.join("spool"))
-            .args(["--sidecar-id", "demo", "--segment-max-age-secs", "1"])
-            .args(if o.lora {
-                // The harness keeps asking for "policy"; the sidecar follows the versions.
-                &[
-                    "--policy",
-                    "demo",
-                    "--policy-alias",
-                    "policy",
-                    "--policy-poll-secs",
-                    "0.5",
-                ][..]
-            } else {
-                &[][..]
-            }),
+        sidecar_command(
+            root,
+            sidecar_port,
+            &policy,
+            "vllm",
+            &store,
+            &dir.join("spool"),
+            "demo",
+        )
+        .args(if o.lora {
+            // The harness keeps asking for "policy"; the sidecar follows the versions.
+            &[
+                "--policy",
+                "demo",
+                "--policy-alias",
+                "policy",
+                "--policy-poll-secs",
+                "0.5",
+            ][..]
+        } else {
+            &[][..]
+        }),
         &logs,
         &mut children,
     )?;

@@ -29,7 +29,9 @@ use anyhow::{Context, bail, ensure};
 use serde_json::Value;
 
 use crate::assets::{ensure_smollm2, ensure_venv, install_sdk};
-use crate::demo::{Children, build_binaries, free_port, http, spawn, wait_healthy};
+use crate::demo::{
+    Children, build_binaries, free_port, http, sidecar_command, spawn, wait_healthy,
+};
 
 struct Options {
     samples: usize,
@@ -83,37 +85,10 @@ fn ensure_swe_venv(root: &Path, wheel: &Path) -> anyhow::Result<PathBuf> {
         crate::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
-        eprintln!(
-            "xtask: installing {} into {}",
-            requirements.display(),
-            venv.display()
-        );
-        crate::run(
-            Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    "-r",
-                ])
-                .arg(&requirements),
-        )?;
+        crate::assets::pip_install_requirements(&python, &requirements)?;
         std::fs::write(&stamp, &wanted)?;
     }
-    crate::run(
-        Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .args(["--no-deps", "--force-reinstall"])
-            .arg(wheel),
-    )?;
+    crate::assets::pip_install_wheel(&python, wheel)?;
     Ok(python)
 }
 
@@ -195,13 +170,15 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let sidecar = format!("http://127.0.0.1:{sidecar_port}");
     spawn(
         "sidecar",
-        Command::new(bin("tapline-sidecar"))
-            .args(["--listen", &format!("127.0.0.1:{sidecar_port}")])
-            .args(["--upstream", &policy, "--upstream-kind", "vllm"])
-            .args(["--store", &store])
-            .arg("--spool-dir")
-            .arg(dir.join("spool"))
-            .args(["--sidecar-id", "swe", "--segment-max-age-secs", "1"]),
+        &mut sidecar_command(
+            root,
+            sidecar_port,
+            &policy,
+            "vllm",
+            &store,
+            &dir.join("spool"),
+            "swe",
+        ),
         &logs,
         &mut children,
     )?;
@@ -234,13 +211,15 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let expert_sidecar = format!("http://127.0.0.1:{expert_sidecar_port}");
     spawn(
         "sidecar-expert",
-        Command::new(bin("tapline-sidecar"))
-            .args(["--listen", &format!("127.0.0.1:{expert_sidecar_port}")])
-            .args(["--upstream", &expert, "--upstream-kind", "openai"])
-            .args(["--store", &store])
-            .arg("--spool-dir")
-            .arg(dir.join("spool-expert"))
-            .args(["--sidecar-id", "swe-expert", "--segment-max-age-secs", "1"]),
+        &mut sidecar_command(
+            root,
+            expert_sidecar_port,
+            &expert,
+            "openai",
+            &store,
+            &dir.join("spool-expert"),
+            "swe-expert",
+        ),
         &logs,
         &mut children,
     )?;
