@@ -186,11 +186,12 @@ pub(crate) struct ExportArgs {
     #[arg(long = "episode")]
     pub(crate) episodes: Vec<String>,
     /// Export without the segments that fail their checks and exit 0 (they are still
-    /// named on stderr); without it the rest is exported and the command fails.
+    /// named: on stderr, or in the summary with --json); without it the rest is exported
+    /// and the command fails.
     #[arg(long)]
     pub(crate) skip_damaged: bool,
-    /// Segments fetched at once (memory holds this many segment objects, 8 MiB at most
-    /// each).
+    /// Segments fetched at once (memory holds this many segment objects; the sidecar
+    /// cuts them at 8 MiB by default).
     #[arg(long, default_value_t = 4)]
     pub(crate) concurrent_reads: usize,
     /// Print the summary as one JSON object instead of lines.
@@ -205,7 +206,7 @@ pub(crate) fn export_long_help() -> String {
     };
     let mut help = format!(
         "Records in the store -> Parquet files for DuckDB, pandas, Polars or Spark: calls.parquet (one row per LLM call), episodes.parquet (one per episode), rewards.parquet (one per reward). Needs no libtorch.\n\n\
-         Duplicates (at-least-once delivery) are dropped by record id; episodes are resolved as the trainer resolves them. Filters select episodes, and each file then holds the rows of those episodes. Segments are read one at a time (memory is one segment, not the store); with a filter the store is read twice.\n\n\
+         Duplicates (at-least-once delivery) are dropped by record id; episodes are resolved as the trainer resolves them. Filters select episodes, and each file then holds the rows of those episodes. Segments are decoded one at a time: memory holds one decoded segment, the segments fetched ahead, the rows of one batch, a 16-byte key per record id seen and a small summary per episode, never the store's records. With a filter the store is read twice.\n\n\
          Each file's key-value metadata holds {SCHEMA_VERSION_KEY} = {SCHEMA_VERSION}. Columns (`?`: nullable):\n"
     );
     for (file, columns) in [

@@ -248,7 +248,7 @@ pub const EPISODE_COLUMNS: &[(&str, &str, &str)] = &[
     (
         "incomplete",
         "bool",
-        "a sidecar dropped records of it: the trainer does not train on it",
+        "its kept start or end event says records of it were dropped (incomplete, or dropped_records > 0): the trainer does not train on it",
     ),
     (
         "dropped_records",
@@ -333,8 +333,22 @@ impl ExportOptions {
     }
 
     /// Whether a call without an episode is exported.
-    fn selects_unattributed(&self, call: &LlmCall) -> bool {
-        self.episodes.is_empty() && self.tasks.is_empty() && self.in_window(call.start_unix_nanos)
+    fn selects_unattributed(&self, record: &Record, call: &LlmCall) -> bool {
+        self.episodes.is_empty() && self.tasks.is_empty() && self.in_window(call_time(record, call))
+    }
+
+    /// Whether a call without an episode can be selected at all.
+    fn may_select_unattributed(&self) -> bool {
+        self.episodes.is_empty() && self.tasks.is_empty()
+    }
+}
+
+/// When a call started, else when its record was written (a call with no start time).
+fn call_time(record: &Record, call: &LlmCall) -> i64 {
+    if call.start_unix_nanos != 0 {
+        call.start_unix_nanos
+    } else {
+        record.written_unix_nanos
     }
 }
 
@@ -493,7 +507,11 @@ pub async fn export(
         // Pass 2: only the segments holding rows of selected episodes (or calls without
         // one that may be selected), in key order, duplicates dropped again.
         summary.passes = 2;
-        let mut wanted: BTreeSet<usize> = index.unattributed_segments.clone();
+        let mut wanted: BTreeSet<usize> = if options.may_select_unattributed() {
+            index.unattributed_segments.clone()
+        } else {
+            BTreeSet::new()
+        };
         for id in &selected {
             wanted.extend(index.episodes[*id].segments.iter().copied());
         }
@@ -516,7 +534,7 @@ pub async fn export(
                     match &record.kind {
                         Some(RecordKind::LlmCall(call)) => {
                             let keep = if call.episode_id.is_empty() {
-                                options.selects_unattributed(call)
+                                options.selects_unattributed(&record, call)
                             } else {
                                 selected.contains(call.episode_id.as_str())
                             };
@@ -549,9 +567,14 @@ pub async fn export(
         episode_rows.push(id, &index.episodes[*id]);
         episodes.write_if_full(&mut episode_rows, options)?;
     }
-    summary.calls = calls.finish(call_rows, &mut summary.files)?;
-    summary.rewards = rewards.finish(reward_rows, &mut summary.files)?;
-    summary.episodes = episodes.finish(episode_rows, &mut summary.files)?;
+    // All three closed before any is renamed: an export that fails leaves the files of
+    // the one before it, never a mix.
+    summary.calls = calls.close(call_rows)?;
+    summary.rewards = rewards.close(reward_rows)?;
+    summary.episodes = episodes.close(episode_rows)?;
+    for table in [calls, rewards, episodes] {
+        summary.files.push(table.commit()?);
+    }
 
     if !summary.damaged_segments.is_empty() && !options.skip_damaged {
         return Err(ExportError::Damaged {
@@ -660,11 +683,14 @@ async fn read_segments(
                 each(i, contents.records)?;
             }
             Err(error) => {
-                if first_pass {
-                    summary
-                        .damaged_segments
-                        .push((key.clone(), error.to_string()));
-                }
+                // A segment that verified in the first pass and fails now (a partial
+                // read, an object rewritten since) loses rows all the same: named too.
+                let reason = if first_pass {
+                    error.to_string()
+                } else {
+                    format!("{error} (on the second read; the first read verified it)")
+                };
+                summary.damaged_segments.push((key.clone(), reason));
             }
         }
     }
@@ -756,8 +782,6 @@ struct EpisodeSummary {
     completion_tokens: u64,
     /// Latest episode-level reward per name: (time, reward id, value).
     latest: BTreeMap<String, (i64, String, f64)>,
-    incomplete: bool,
-    dropped_records: u64,
     sidecars: BTreeSet<String>,
     segments: BTreeSet<usize>,
 }
@@ -847,21 +871,25 @@ impl Index {
                         reward.reward_id.clone(),
                         reward.value,
                     );
-                    let slot = e.latest.entry(reward.name.clone()).or_insert(entry.clone());
-                    if (entry.0, &entry.1) > (slot.0, &slot.1) {
-                        *slot = entry;
+                    // On a tie the later read wins, as the trainer's stable sort keeps it last.
+                    let newer = e
+                        .latest
+                        .get(&reward.name)
+                        .is_none_or(|old| (entry.0, &entry.1) >= (old.0, &old.1));
+                    if newer {
+                        e.latest.insert(reward.name.clone(), entry);
                     }
                 }
                 e.seen_at(reward.time_unix_nanos.max(record.written_unix_nanos));
             }
             Some(RecordKind::EpisodeEvent(event)) => {
-                e.incomplete |= event.incomplete;
-                e.dropped_records = e.dropped_records.max(event.dropped_records);
-                e.seen_at(event.time_unix_nanos);
                 let slot = match event.kind() {
                     EpisodeEventKind::Start => &mut e.start,
                     EpisodeEventKind::End => &mut e.end,
-                    EpisodeEventKind::Unspecified => return,
+                    EpisodeEventKind::Unspecified => {
+                        self.orphans += 1;
+                        return;
+                    }
                 };
                 if slot
                     .as_ref()
@@ -869,6 +897,7 @@ impl Index {
                 {
                     *slot = Some(event.clone());
                 }
+                e.seen_at(event.time_unix_nanos);
             }
             None => {}
         }
@@ -1465,8 +1494,12 @@ impl EpisodeRows {
         self.reward_components
             .append(true)
             .expect("keys and values appended in pairs");
-        self.incomplete.append_value(e.incomplete);
-        self.dropped_records.append_value(e.dropped_records);
+        // As the trainer's `clean` decides it, from the kept start and end events.
+        let kept = || [&e.start, &e.end].into_iter().flatten();
+        let incomplete = kept().any(|ev| ev.incomplete || ev.dropped_records > 0);
+        let dropped = kept().map(|ev| ev.dropped_records).max().unwrap_or(0);
+        self.incomplete.append_value(incomplete);
+        self.dropped_records.append_value(dropped);
         for s in &e.sidecars {
             self.sidecar_ids.values().append_value(s);
         }
@@ -1646,31 +1679,33 @@ impl Table {
         Ok(())
     }
 
-    /// Writes the last rows (an empty file still gets its schema), closes the file and
-    /// gives it its name; returns its row count.
-    fn finish(
-        mut self,
-        mut rows: impl Rows,
-        files: &mut Vec<(String, u64)>,
-    ) -> Result<u64, ExportError> {
+    /// Writes the last rows (an empty file still gets its schema) and closes the file,
+    /// still under its temporary name (`Table` removes it if dropped before `commit`);
+    /// returns its row count.
+    fn close(&mut self, mut rows: impl Rows) -> Result<u64, ExportError> {
         if rows.len() > 0 || self.writer.is_none() {
             self.write(&mut rows)?;
         }
         let writer = self.writer.take().expect("written at least once");
         writer.close().map_err(|e| self.err(e))?;
+        Ok(self.rows)
+    }
+
+    /// Gives a closed file its name; its size.
+    fn commit(mut self) -> Result<(String, u64), ExportError> {
         std::fs::rename(&self.partial, &self.path).map_err(|e| self.err(e))?;
+        self.partial = PathBuf::new();
         let size = std::fs::metadata(&self.path)
             .map_err(|e| self.err(e))?
             .len();
-        files.push((self.name.to_owned(), size));
-        Ok(self.rows)
+        Ok((self.name.to_owned(), size))
     }
 }
 
 impl Drop for Table {
     fn drop(&mut self) {
-        // A table dropped before `finish` (an error): leave no partial file behind.
-        if self.partial.exists() {
+        // A table dropped before `commit` (an error): leave no partial file behind.
+        if !self.partial.as_os_str().is_empty() && self.partial.exists() {
             let _ = std::fs::remove_file(&self.partial);
         }
     }

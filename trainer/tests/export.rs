@@ -13,7 +13,9 @@ use serde_json::{Value, json};
 use tapline_proto::keys::SegmentKey;
 use tapline_proto::segment::{encode_segment, encode_segment_version};
 use tapline_proto::store::{StoreLocation, open_store};
-use tapline_proto::{LlmCall, Outcome, Record, RecordKind};
+use tapline_proto::{
+    EndStatus, EpisodeEvent, EpisodeEventKind, LlmCall, Outcome, Record, RecordKind,
+};
 
 use common::cli::trainer;
 use common::traces::{Trace, agent_tools, agent_turn, tool_result};
@@ -65,6 +67,35 @@ fn trace() -> Trace {
             t.end(&episode, task, "g", task == "capital" && i == 1);
         }
     }
+    // add-2's end says records were dropped without the flag: incomplete all the same.
+    for record in &mut t.records {
+        if let Some(RecordKind::EpisodeEvent(e)) = &mut record.kind
+            && e.episode_id == "add-2"
+            && e.kind() == EpisodeEventKind::End
+        {
+            e.dropped_records = 2;
+        }
+    }
+    // An earlier end of add-0, read last, flagged incomplete: the kept end is the latest
+    // by time, which is clean.
+    t.seq += 1;
+    t.records.push(Record::new(
+        "exp-a",
+        t.seq,
+        t.time,
+        RecordKind::EpisodeEvent(EpisodeEvent {
+            event_id: "add-0-end-early".into(),
+            episode_id: "add-0".into(),
+            kind: EpisodeEventKind::End as i32,
+            task_id: "add".into(),
+            group_id: "g".into(),
+            status: EndStatus::Failed as i32,
+            time_unix_nanos: T0,
+            incomplete: true,
+            dropped_records: 5,
+            ..EpisodeEvent::default()
+        }),
+    ));
     t.unattributed_call();
     t
 }
@@ -158,7 +189,8 @@ fn expected(trace: &Trace, keep: &dyn Fn(&str) -> bool, unattributed: bool) -> V
                 "calls": 3, "failed_calls": 0, "rewards": 4,
                 "final_reward": i as f64 + 0.5,
                 "reward_components": {"tests_passed": 0.25 * i as f64},
-                "incomplete": task == "capital" && i == 1,
+                "incomplete": (task == "capital" && i == 1) || episode == "add-2",
+                "dropped_records": match episode { "capital-1" => 1, "add-2" => 2, _ => 0 },
                 "sidecar_ids": ["exp-a"],
             }),
         );
@@ -340,6 +372,13 @@ async fn the_export_holds_every_record_and_filters_select_episodes() {
         &out,
         &expected(&trace, &|e| e == "add-1" || e == "add-2", false),
     );
+
+    // --since alone: add-1 onwards, and the call without an episode (no start time: its
+    // record's time counts, which is after add-1 started).
+    let out = dir.path().join("since");
+    let (ok, stdout, stderr) = export(&url, &out, &["--since", &since, "--skip-damaged"]);
+    assert!(ok, "{stdout}\n{stderr}");
+    check(&out, &expected(&trace, &|e| e != "add-0", true));
 
     // Bad input is named.
     let (ok, _, stderr) = export(&url, &out, &["--since", "yesterday"]);
