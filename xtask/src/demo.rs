@@ -143,12 +143,23 @@ pub(crate) fn free_port() -> anyhow::Result<u16> {
 
 /// A small blocking HTTP client over the Python in the venv would be overkill; curl is
 /// not guaranteed either, so this speaks HTTP/1.1 over a TcpStream.
-/// A plain HTTP/1.1 request: the status, the body as text and as JSON (null if not).
+/// The status, the response head and the body as JSON (null if it is not JSON).
 pub(crate) fn http(
     method: &str,
     url: &str,
     body: Option<&Value>,
 ) -> anyhow::Result<(u16, String, Value)> {
+    let (status, head, payload) = http_raw(method, url, body)?;
+    let value = serde_json::from_str(&payload).unwrap_or(Value::Null);
+    Ok((status, head, value))
+}
+
+/// A plain HTTP/1.1 request: the status, the response head and the body as text.
+pub(crate) fn http_raw(
+    method: &str,
+    url: &str,
+    body: Option<&Value>,
+) -> anyhow::Result<(u16, String, String)> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").context("http:// URL")?;
     let (host, path) = rest
@@ -179,8 +190,7 @@ pub(crate) fn http(
     } else {
         payload.to_owned()
     };
-    let value = serde_json::from_str(&payload).unwrap_or(Value::Null);
-    Ok((status, payload, value))
+    Ok((status, head.to_owned(), payload))
 }
 
 fn dechunk(mut s: &str) -> String {

@@ -30,7 +30,7 @@ use serde_json::Value;
 
 use crate::assets::{ensure_smollm2, ensure_venv, install_sdk};
 use crate::demo::{
-    Children, build_binaries, free_port, http, sidecar_command, spawn, wait_healthy,
+    Children, build_binaries, free_port, http_raw, sidecar_command, spawn, wait_healthy,
 };
 
 struct Options {
@@ -295,7 +295,7 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
         }
     }
     // The policy sidecar's added latency, against the policy rollouts' wall time.
-    let (status, metrics, _) = http("GET", &format!("{sidecar}/metrics"), None)?;
+    let (status, _, metrics) = http_raw("GET", &format!("{sidecar}/metrics"), None)?;
     ensure!(status == 200, "GET /metrics answered {status}");
     std::fs::write(dir.join("metrics.txt"), metrics)?;
     // Stopping the sidecar uploads what its spool still holds.
