@@ -30,6 +30,9 @@ pub struct TrainSequence {
 pub struct MicroBatch {
     /// Its sequences, longest first.
     pub sequences: Vec<TrainSequence>,
+    /// Run it with recompute (layers recomputed in the backward pass): set by the
+    /// memory fit (`nn::memory::fit`) where it would not fit otherwise.
+    pub recompute: bool,
 }
 
 /// One mini-batch: one optimizer step.

@@ -115,6 +115,12 @@ pub(crate) struct TrainArgs {
     /// `train.dtype`).
     #[arg(long)]
     pub(crate) dtype: Option<String>,
+    /// The memory the update may use, e.g. 16GiB (config `train.max_memory`; default
+    /// 80% of what the process can have, of the GPU's on CUDA): micro-batches are split
+    /// or run with recompute to fit, and a sequence that cannot fit fails the run
+    /// before its first step.
+    #[arg(long)]
+    pub(crate) max_memory: Option<String>,
     /// Continue an earlier run: its output directory (a full checkpoint, or a LoRA
     /// adapter) gives the weights and the optimizer state, which must be there.
     #[arg(long, conflicts_with = "adapter")]
@@ -303,6 +309,12 @@ pub(crate) struct BenchArgs {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 1024)]
     pub(crate) seq_len: usize,
+    /// Measure peak memory at each of these sequence lengths (e.g.
+    /// 1024,2048,4096,8192,16384), each in a process of its own (a peak is a
+    /// process's), and print a table of measured and estimated peaks; a length whose
+    /// estimate exceeds the memory available is reported, not run.
+    #[arg(long, value_delimiter = ',', conflicts_with = "seq_len")]
+    pub(crate) seq_lens: Vec<usize>,
     /// Steps before measuring.
     #[arg(long, default_value_t = 2)]
     pub(crate) warmup: usize,

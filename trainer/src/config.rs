@@ -63,7 +63,11 @@
 //! tis_cap = 2.0                # truncated importance sampling cap; 0: off
 //! kl_coef = 0.0                # KL penalty to the starting weights
 //! logprob_chunk = 1024         # rows of [rows, vocab] fp32 logits at once
-//! recompute = false            # recompute layers in the backward pass
+//! recompute = false            # recompute layers in the backward pass (everywhere)
+//! # max_memory = "16GiB"       # the update's memory; micro-batches are split or
+//!                              # recomputed to fit it, or the run fails before a step
+//!                              # (default: 80% of what the process can have, of the
+//!                              # GPU's on CUDA; --max-memory)
 //! dtype = "auto"               # fp32 on CPU, bf16 on CUDA; or float32 / bfloat16
 //!                              # (non-fp32 weights get fp32 master copies in the optimizer)
 //! seed = 0
@@ -300,6 +304,16 @@ mod tests {
         let cfg: RunConfig = toml::from_str("[ingest]\nconcurrent_reads = 0").unwrap();
         let err = cfg.validate().unwrap_err();
         assert!(err.to_string().contains("ingest.concurrent_reads"), "{err}");
+        let cfg: RunConfig = toml::from_str("[train]\nmax_memory = \"16 gigs\"").unwrap();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("train.max_memory")
+                && err.contains("\"16 gigs\"")
+                && err.contains("16GiB"),
+            "{err}"
+        );
+        let cfg: RunConfig = toml::from_str("[train]\nmax_memory = \"16GiB\"").unwrap();
+        assert_eq!(cfg.train.max_memory_bytes(), Ok(Some(16 << 30)));
     }
 
     #[test]

@@ -111,8 +111,45 @@ enum Command {
     Export(ExportArgs),
 }
 
+/// glibc's variable that fixes malloc's mmap threshold (mallopt(3)).
+#[cfg(feature = "torch")]
+const MMAP_THRESHOLD_VAR: &str = "MALLOC_MMAP_THRESHOLD_";
+
+/// Makes the update's peak memory that of its live tensors: glibc's malloc raises its
+/// mmap threshold to the size of each large block freed (up to 32 MiB), and from then
+/// on tensors up to that size come from the heap, which fragments; a step's peak RSS
+/// was 45% above its tensors (and the step 20% slower: BENCHMARKS.md, "Memory of an
+/// update step"). A fixed threshold of 1 MiB returns every large tensor to the system
+/// when it is freed. glibc reads it when the process starts, so `train` and
+/// `bench-update` exec themselves once with it set (same process id, same arguments);
+/// a value the user set is kept.
+#[cfg(feature = "torch")]
+fn fix_mmap_threshold() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os(MMAP_THRESHOLD_VAR).is_none() {
+        use std::os::unix::process::CommandExt as _;
+        let mut args = std::env::args_os();
+        let arg0 = args.next().unwrap_or_default();
+        let Ok(exe) = std::env::current_exe() else {
+            return;
+        };
+        let error = std::process::Command::new(exe)
+            .arg0(arg0)
+            .args(args)
+            .env(MMAP_THRESHOLD_VAR, "1048576")
+            .exec();
+        eprintln!(
+            "tapline-trainer: warning: cannot restart with {MMAP_THRESHOLD_VAR} set ({error}); the update's memory may exceed its estimate"
+        );
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    #[cfg(feature = "torch")]
+    if matches!(cli.command, Command::Train(_) | Command::BenchUpdate(_)) {
+        fix_mmap_threshold();
+    }
     init_logging(cli.log_format);
     match cli.command {
         Command::Prepare(args) => prepare(args),

@@ -260,6 +260,7 @@ pub fn prepare(
             .into_iter()
             .map(|bin| MicroBatch {
                 sequences: bin.into_iter().filter_map(|i| slots[i].take()).collect(),
+                recompute: false,
             })
             .collect();
         mini_batches.push(MiniBatch {

@@ -480,6 +480,104 @@ fn finish_cursor_commit(
     )))
 }
 
+/// Fits the micro-batches to the memory budget (`nn::memory`) and says what it chose;
+/// the JSON for the manifest. Fails, before any step, when a sequence cannot fit. On a
+/// group, every rank fits to the smallest budget and the largest static part, so all
+/// split alike.
+fn fit_memory(
+    args: &TrainArgs,
+    options: &nn::train::TrainOptions,
+    model: &Transformer,
+    lora: Option<&nn::lora::LoraOptions>,
+    device: tch::Device,
+    group: Option<&tapline_c10d::Group>,
+    mini_batches: &mut [tapline_trainer::batch::MiniBatch],
+) -> anyhow::Result<Value> {
+    use nn::memory::{self, Size};
+    let elem = match model.kind() {
+        tch::Kind::Float => 4,
+        tch::Kind::Double => 8,
+        _ => 2,
+    };
+    let mut estimate = memory::MemoryModel::new(&model.config, lora, elem, options.logprob_chunk);
+    // What is there already (weights, optimizer state, the records read) and the
+    // gradients to come; on a GPU only the formula is known.
+    if !device.is_cuda() {
+        let grads = estimate.trainable * estimate.trainable_elem;
+        estimate.measured_static = Some(memory::own_rss() + grads);
+    }
+    let (machine, what) = match device {
+        tch::Device::Cuda(i) => (
+            nn::manifest::gpu_memory_total(i).map(|t| (t, t)),
+            format!("the memory of GPU {i}"),
+        ),
+        _ => (
+            memory::available_memory(),
+            "the memory this process could have at the start (MemAvailable, or the container's limit)".to_owned(),
+        ),
+    };
+    let set = options.max_memory_bytes().map_err(|e| anyhow::anyhow!(e))?;
+    let source = if args.max_memory.is_some() {
+        "--max-memory"
+    } else {
+        "train.max_memory"
+    };
+    let (mut budget, source) = match (set, machine) {
+        (Some(b), Some((_, total))) => {
+            if b > total {
+                eprintln!(
+                    "train: warning: {source} = {} is more than {} ({}): the fit cannot keep the run from running out of memory",
+                    Size(b),
+                    if device.is_cuda() {
+                        "the GPU's memory"
+                    } else {
+                        "this machine's memory"
+                    },
+                    Size(total)
+                );
+            }
+            (b, source.to_owned())
+        }
+        (Some(b), None) => (b, source.to_owned()),
+        (None, Some((can_have, _))) => memory::default_budget(can_have, &what),
+        (None, None) => {
+            eprintln!(
+                "train: warning: the memory available is unknown ({what}); micro-batches are not fitted to a budget: set train.max_memory"
+            );
+            return Ok(serde_json::json!({ "budget_bytes": null }));
+        }
+    };
+    if let Some(g) = group {
+        let mine = serde_json::to_vec(&(budget, estimate.static_bytes()))?;
+        let all: Vec<(u64, u64)> = g
+            .exchange("memory_budget", &mine)?
+            .iter()
+            .map(|v| serde_json::from_slice(v).unwrap_or((budget, estimate.static_bytes())))
+            .collect();
+        budget = all.iter().map(|a| a.0).min().unwrap_or(budget);
+        estimate.measured_static = all.iter().map(|a| a.1).max();
+    }
+    let mut report = memory::fit(&estimate, mini_batches, budget, options.recompute)
+        .map_err(|e| anyhow::anyhow!("{e} ({source})"))?;
+    report.budget_source = source;
+    if group.is_none_or(|g| g.rank() == 0) {
+        println!(
+            "train: memory budget {} ({}): static {} + {:.2} MiB per token ({:.2} MiB with recompute); estimated peak {}; {} of {} micro-batch(es) split, {} of {} with recompute",
+            Size(report.budget_bytes),
+            report.budget_source,
+            Size(report.static_bytes),
+            report.bytes_per_token as f64 / (1u64 << 20) as f64,
+            report.bytes_per_token_recompute as f64 / (1u64 << 20) as f64,
+            Size(report.estimated_peak_bytes),
+            report.split,
+            report.micro_batches_scheduled,
+            report.recompute,
+            report.micro_batches,
+        );
+    }
+    Ok(serde_json::to_value(&report)?)
+}
+
 /// One training run, not yet published. With `min_episodes` (--follow), returns `None`
 /// without training when fewer episodes than that (or than a mini-batch, for `Some(0)`)
 /// are ready, and `None` when a stop signal came before the last step: nothing is
@@ -546,6 +644,9 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             }
             if let Some(d) = &args.dtype {
                 c.train.dtype = d.clone();
+            }
+            if let Some(m) = &args.max_memory {
+                c.train.max_memory = Some(m.clone());
             }
         },
         plan.as_ref(),
@@ -635,6 +736,20 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         );
     }
     let load_model = load_started.elapsed().as_secs_f64();
+    // Before any step: every micro-batch fitted to the memory budget.
+    let mut memory = fit_memory(
+        args,
+        options,
+        &model,
+        lora.as_ref(),
+        device,
+        group.as_ref(),
+        &mut loaded.prepared.mini_batches,
+    )?;
+    if let Some(g) = &group {
+        check_same_batches(g, &loaded.prepared.mini_batches)?;
+    }
+    let options = &loaded.config.train;
     let first_step = state_dir.as_deref().map_or(0, checkpoint::global_step);
     let steps = loaded.prepared.mini_batches.len() * options.epochs as usize;
     let trainable: usize = model
@@ -703,6 +818,17 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     )?;
     bar.finish_and_clear();
     let gpu_peak_memory_bytes_sampled = gpu_memory.finish();
+    if let Some(m) = memory.as_object_mut() {
+        let (peak, source) = match gpu_peak_memory_bytes_sampled {
+            Some(p) => (p, "gpu memory used (nvidia-smi, sampled every second)"),
+            None => (
+                nn::manifest::peak_rss_bytes(),
+                "peak RSS of the process (VmHWM)",
+            ),
+        };
+        m.insert("peak_measured_bytes".into(), peak.into());
+        m.insert("peak_measured".into(), source.into());
+    }
     if result.steps.len() < steps {
         // Stopped by a signal: a partial run is neither kept nor published, and its data
         // stays unconsumed, so the next start trains the whole batch from the run before.
@@ -881,6 +1007,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         },
         checkpoint: checkpoint_info,
         distributed,
+        memory,
     };
     if let Some(run) = &loaded.run {
         let commit = CursorCommit {
@@ -1000,7 +1127,113 @@ pub(super) fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bench-update --seq-lens`: one child process per length (peak memory is per
+/// process), then a table of the measured and estimated peaks.
+fn bench_memory_table(args: &BenchArgs) -> anyhow::Result<()> {
+    use nn::memory::{MemoryModel, Shape, Size};
+    let device = nn::parse_device(&args.device)?;
+    let kind = nn::parse_dtype(&args.dtype, device)?;
+    let config = nn::bench::preset(&args.preset).with_context(|| {
+        format!(
+            "unknown preset {:?} (known: {})",
+            args.preset,
+            nn::bench::PRESETS.join(", ")
+        )
+    })?;
+    let lora = args.lora.then(|| nn::lora::LoraOptions {
+        rank: args.lora_rank,
+        alpha: 2.0 * args.lora_rank as f64,
+        ..Default::default()
+    });
+    let elem = if kind == tch::Kind::Float { 4 } else { 2 };
+    let estimate = MemoryModel::new(&config, lora.as_ref(), elem, 1024);
+    let available = match device {
+        tch::Device::Cuda(i) => nn::manifest::gpu_memory_total(i),
+        _ => nn::memory::available_memory().map(|(can_have, _)| can_have),
+    };
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    println!(
+        "bench-update: peak memory of {} {} ({kind:?}){}, one sequence per micro-batch; measured: {}",
+        args.preset,
+        if args.lora { "LoRA" } else { "full" },
+        if args.recompute { ", recompute" } else { "" },
+        if device.is_cuda() {
+            "GPU memory used, sampled by nvidia-smi"
+        } else {
+            "peak RSS"
+        }
+    );
+    println!(
+        "| tokens | measured peak | estimated peak | estimate / measured | MiB per token, measured | MiB per token, estimated |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for &len in &args.seq_lens {
+        anyhow::ensure!(len >= 2, "--seq-lens: every length must be at least 2");
+        let shape = Shape {
+            sequences: 1,
+            longest: len as u64,
+            loss_tokens: (len - len / 2) as u64,
+        };
+        let predicted = estimate.static_bytes() + estimate.micro_batch_bytes(shape, args.recompute);
+        if let Some(avail) = available.filter(|a| predicted as f64 > *a as f64 * 0.9) {
+            println!(
+                "| {len} | not run | {} | | | {:.3} (over 90% of the {} available) |",
+                Size(predicted),
+                mib(estimate.per_token(args.recompute) as f64),
+                Size(avail)
+            );
+            continue;
+        }
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.args([
+            "bench-update",
+            "--preset",
+            &args.preset,
+            "--device",
+            &args.device,
+        ])
+        .args(["--dtype", &args.dtype, "--sequences", "1"])
+        .args(["--seq-len", &len.to_string()])
+        .args(["--warmup", &args.warmup.to_string()])
+        .args(["--steps", &args.steps.to_string()])
+        .args(["--lora-rank", &args.lora_rank.to_string()]);
+        if args.lora {
+            cmd.arg("--lora");
+        }
+        if args.recompute {
+            cmd.arg("--recompute");
+        }
+        let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let result: Option<Value> = text
+            .lines()
+            .last()
+            .and_then(|l| serde_json::from_str(l).ok());
+        let Some(r) = result.filter(|_| out.status.success()) else {
+            println!(
+                "| {len} | failed ({}) | {} | | | |",
+                out.status,
+                Size(predicted)
+            );
+            continue;
+        };
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {len} | {} | {} | {:.2} | {:.3} | {:.3} |",
+            Size(f("peak_bytes") as u64),
+            Size(f("estimated_peak_bytes") as u64),
+            f("estimated_peak_bytes") / f("peak_bytes"),
+            mib(f("bytes_per_token")),
+            mib(f("estimated_bytes_per_token")),
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
+    if !args.seq_lens.is_empty() {
+        return bench_memory_table(args);
+    }
     let device = nn::parse_device(&args.device)?;
     let kind = nn::parse_dtype(&args.dtype, device)?;
     anyhow::ensure!(args.seq_len >= 2, "--seq-len must be at least 2");
@@ -1101,6 +1334,19 @@ pub(super) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         ),
         result.peak_rss_bytes as f64 / (1u64 << 30) as f64,
         result.bytes_per_parameter,
+    );
+    println!(
+        "bench-update: peak memory {:.2} GiB ({}), estimated {:.2} GiB before the first step: {:.3} MiB per token measured, {:.3} estimated (static {:.2} GiB)",
+        result.peak_bytes as f64 / (1u64 << 30) as f64,
+        if result.gpu_peak_memory_bytes_sampled.is_some() {
+            "GPU memory used, sampled"
+        } else {
+            "peak RSS"
+        },
+        result.estimated_peak_bytes as f64 / (1u64 << 30) as f64,
+        result.bytes_per_token / (1u64 << 20) as f64,
+        result.estimated_bytes_per_token / (1u64 << 20) as f64,
+        result.static_bytes as f64 / (1u64 << 30) as f64,
     );
     if let (Some(bytes), Some(secs)) = (result.comm_bytes_per_step, result.comm_seconds_per_step) {
         println!(

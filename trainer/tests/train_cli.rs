@@ -853,3 +853,136 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
         .arg(tmp.path().join("never")));
     assert!(!ok && stderr.contains("drop --no-cursor"), "{stderr}");
 }
+
+/// A store in `dir` with two episodes of one group, each one call whose prompt is about
+/// `words` tokens long (rewards 1 and 0); its URL.
+async fn long_episodes_store(dir: &Path, words: usize) -> String {
+    let store_url = format!("file://{}", dir.display());
+    let store = open_store(&store_url).unwrap();
+    let mut t = Trace::new("sc-memory", T0);
+    for (i, reward) in [1.0, 0.0].into_iter().enumerate() {
+        let episode = format!("long-{i}");
+        t.start(&episode, "long", "g");
+        let text = format!("Summarize this log:{}", " error retry".repeat(words / 2));
+        let request = json!({"model": "m", "messages": [{"role": "user", "content": text}]});
+        t.chat_call(
+            &episode,
+            "long",
+            0,
+            &request,
+            common::traces::answer("It retried after each error.").completion(vec![], vec![]),
+            vec![],
+            tapline_proto::Outcome::Ok,
+        );
+        t.reward(&episode, "", "", reward);
+        t.end(&episode, "long", "g", false);
+    }
+    t.write(&store, 16).await;
+    store_url
+}
+
+/// `train` of [`long_episodes_store`] with a LoRA adapter, one micro-batch holding both
+/// sequences, and `extra` flags.
+fn train_long(tmp: &Path, store_url: &str, out: &str, extra: &[&str]) -> (bool, String, String) {
+    let config = tmp.join("memory.toml");
+    std::fs::write(
+        &config,
+        "[clean]\ndrop_zero_variance_groups = false\n[train]\nlr = 1e-5\n[train.lora]\nrank = 8\nalpha = 16\n",
+    )
+    .unwrap();
+    let now = ((T0 / 1_000_000_000) + 600).to_string();
+    run(trainer()
+        .args(["train", "--no-cursor", "--store", store_url, "--model"])
+        .arg(common::smollm2())
+        .arg("--out")
+        .arg(tmp.join(out))
+        .arg("--config")
+        .arg(&config)
+        .args(["--now-unix-secs", &now])
+        .args(["--max-seq-len", "8192", "--micro-batch-tokens", "8192"])
+        .args(extra))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_too_long_for_the_memory_budget_fails_before_any_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = long_episodes_store(&tmp.path().join("store"), 3000).await;
+    // Above the weights and optimizer state of SmolLM2 with an adapter (~1.1 GiB), below
+    // what a 3000-token sequence needs even with recompute (the head's logits alone take
+    // ~0.8 GiB).
+    let (ok, stdout, stderr) =
+        train_long(tmp.path(), &store_url, "small", &["--max-memory", "1.6GiB"]);
+    assert!(!ok, "{stdout}");
+    assert!(
+        stderr.contains("tokens (episode long-")
+            && stderr.contains("even with recompute")
+            && stderr.contains("max_memory = 1.60 GiB")
+            && stderr.contains("--max-memory"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("step 1/"), "no step is taken: {stdout}");
+    assert!(!tmp.path().join("small/manifest.json").exists());
+
+    // Bad input: an unparsable size is refused before anything is read.
+    let (ok, _, stderr) = train_long(
+        tmp.path(),
+        &store_url,
+        "bad",
+        &["--max-memory", "16 parsecs"],
+    );
+    assert!(!ok);
+    assert!(
+        stderr.contains("\"16 parsecs\" is not a size") && stderr.contains("16GiB"),
+        "{stderr}"
+    );
+    // A budget below the weights alone.
+    let (ok, _, stderr) = train_long(tmp.path(), &store_url, "tiny", &["--max-memory", "300MiB"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("below what the weights, gradients and optimizer state alone need"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_sequence_trains_under_a_budget_it_fits_only_with_recompute() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store_url = long_episodes_store(&tmp.path().join("store"), 3000).await;
+    let budget: u64 = 7 << 29; // 3.5 GiB
+    let (ok, stdout, stderr) =
+        train_long(tmp.path(), &store_url, "fit", &["--max-memory", "3.5GiB"]);
+    assert!(ok, "train failed: {stderr}\n{stdout}");
+    let m = read_json(&tmp.path().join("fit/manifest.json"));
+    let memory = &m["memory"];
+    assert_eq!(memory["budget_bytes"], budget, "{memory}");
+    assert_eq!(memory["budget_source"], "--max-memory");
+    // Both sequences were scheduled into one micro-batch; each alone needs more than the
+    // budget without recompute, and both fit together with it.
+    assert_eq!(memory["micro_batches_scheduled"], 1, "{memory}");
+    assert_eq!(memory["micro_batches"], 1, "{memory}");
+    assert_eq!(memory["split"], 0, "{memory}");
+    assert_eq!(memory["recompute"], 1, "{memory}");
+    let per_token = memory["bytes_per_token"].as_u64().unwrap();
+    let fixed = memory["static_bytes"].as_u64().unwrap();
+    assert!(fixed + 3000 * per_token > budget, "{memory}");
+    // What matters: the step stayed inside the budget, and inside the estimate.
+    let peak = memory["peak_measured_bytes"].as_u64().unwrap();
+    let estimate = memory["estimated_peak_bytes"].as_u64().unwrap();
+    assert!(peak <= estimate && estimate <= budget, "{memory}");
+    assert_eq!(m["steps"].as_array().unwrap().len(), 1);
+    assert!(
+        stdout.contains("train: memory budget 3.50 GiB (--max-memory)"),
+        "{stdout}"
+    );
+
+    // A budget above the machine's memory is taken, with a warning naming both.
+    let short = long_episodes_store(&tmp.path().join("short"), 8).await;
+    let (ok, stdout, stderr) = train_long(tmp.path(), &short, "big", &["--max-memory", "1000TiB"]);
+    assert!(ok, "train failed: {stderr}\n{stdout}");
+    assert!(
+        stderr.contains("--max-memory = 1000.00 TiB is more than this machine's memory"),
+        "{stderr}"
+    );
+    let m = read_json(&tmp.path().join("big/manifest.json"));
+    assert_eq!(m["memory"]["recompute"], 0, "{}", m["memory"]);
+}

@@ -19,6 +19,8 @@
 //!   `bench-update` under torchrun at 1 and 2 ranks (Gloo on CPU, sharded and replicated
 //!   optimizer): tokens/s, communication per step, optimizer memory per rank, with the
 //!   ratios to the one-rank run.
+//! - `cargo xtask bench-memory`: the peak memory of an update step at 1k–16k tokens,
+//!   LoRA and full, with and without recompute, beside the trainer's estimate.
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
 //!   training steps of 0.5B, 1.7B and 8B Qwen-shaped models (random weights) with bf16 on
 //!   CUDA, full fine-tune and LoRA (LoRA only for 8B, whose full update does not fit one
@@ -55,6 +57,9 @@ commands:
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
   bench-dist data-parallel update under torchrun, 1 vs 2 ranks on CPU (flags:
              --preset P --sequences N --seq-len N --steps N)
+  bench-memory peak memory of an update against the trainer's estimate, LoRA and
+             full, with and without recompute (flags: --preset P --seq-lens
+             1024,2048,... --device D)
   fuzz       build the fuzz targets and run each (flags: --secs N, default 60;
              --target NAME; --sanitizer address)
   image      build OCI images FROM scratch with podman (names: sidecar trainer
@@ -74,6 +79,7 @@ fn main() -> anyhow::Result<()> {
         Some("swe") => swe::swe(&root, &args[1..]),
         Some("gpu-check") => gpu_check(&root, &args[1..]),
         Some("bench-dist") => bench_dist(&root, &args[1..]),
+        Some("bench-memory") => bench_memory(&root, &args[1..]),
         Some("fuzz") => {
             let run = fuzz::parse(&args[1..])?;
             let assets = step("test assets", || ensure_assets(&root))?;
@@ -202,6 +208,43 @@ fn ensure_zstd() -> anyhow::Result<()> {
         run(Command::new("apt-get")
             .args(["install", "-y", "-qq", "--no-install-recommends", "zstd"])
             .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    Ok(())
+}
+
+/// `cargo xtask bench-memory`: `bench-update --seq-lens` of one model, LoRA and full
+/// fine-tune, each with and without recompute: the measured peak beside the estimate
+/// the trainer fits micro-batches with (`trainer/src/nn/memory.rs`).
+fn bench_memory(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    let flag = |name: &str, default: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .map_or(default.to_owned(), Clone::clone)
+    };
+    let preset = flag("--preset", "smollm2-135m");
+    let lens = flag("--seq-lens", "1024,2048,4096,8192,16384");
+    let device = flag("--device", "cpu");
+    let python = step("python environment (torch)", || ensure_venv(root))?;
+    let trainer = build_release_trainer(root, &python)?;
+    for (lora, recompute) in [(true, false), (true, true), (false, false), (false, true)] {
+        let name = format!(
+            "{preset} {}{}",
+            if lora { "LoRA" } else { "full" },
+            if recompute { ", recompute" } else { "" }
+        );
+        step(&format!("bench-update --seq-lens {lens}: {name}"), || {
+            let mut cmd = Command::new(&trainer);
+            cmd.args(["bench-update", "--preset", &preset, "--device", &device])
+                .args(["--seq-lens", &lens, "--warmup", "0", "--steps", "1"]);
+            if lora {
+                cmd.arg("--lora");
+            }
+            if recompute {
+                cmd.arg("--recompute");
+            }
+            run(&mut cmd)
+        })?;
     }
     Ok(())
 }

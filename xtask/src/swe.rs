@@ -325,9 +325,13 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
     std::fs::write(
         &config,
         // Every sample of a 135M model scores alike on these tasks: keep the groups
-        // (zero advantages), so the training step still runs on the real records.
+        // (zero advantages), so the training step still runs on the real records. The
+        // trajectories' lengths depend on the CPU that sampled them (an 8k-token
+        // micro-batch needs ~11 GiB without recompute): the trainer fits them to a fixed
+        // budget, and the step is checked to stay inside it.
         "run = \"swe\"\n[clean]\nmax_seq_len = 8192\ndrop_zero_variance_groups = false\n\
-         [schedule]\nmicro_batch_tokens = 8192\n[train]\nlr = 1e-5\n[train.lora]\nrank = 8\nalpha = 16\n",
+         [schedule]\nmicro_batch_tokens = 8192\n[train]\nlr = 1e-5\nmax_memory = \"6GiB\"\n\
+         [train.lora]\nrank = 8\nalpha = 16\n",
     )?;
     let prepared = dir.join("prepare");
     crate::run(
@@ -368,6 +372,15 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
         "the trainer took no step: {}",
         manifest["report"]
     );
+    let memory = &manifest["memory"];
+    let (peak, budget) = (
+        memory["peak_measured_bytes"].as_u64().unwrap_or(u64::MAX),
+        memory["budget_bytes"].as_u64().unwrap_or(0),
+    );
+    ensure!(
+        peak <= budget,
+        "the training step's peak memory ({peak} bytes) exceeded its budget: {memory}"
+    );
 
     let merge = &report["merge"];
     let tokenize = &report["tokenize"];
@@ -385,6 +398,7 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
         "loss_tokens": report["batches"]["loss_tokens"],
         "dropped": report["dropped"],
         "train_steps": steps,
+        "memory": memory,
         "seconds": started.elapsed().as_secs_f64(),
     });
     std::fs::write(

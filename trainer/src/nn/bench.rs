@@ -171,6 +171,18 @@ pub struct BenchResult {
     /// waiting for the slowest rank included.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm_seconds_per_step: Option<f64>,
+    /// The peak measured: GPU memory sampled on CUDA, else the process's peak RSS.
+    pub peak_bytes: u64,
+    /// The trainer's estimate of that peak (`nn::memory`), made before the first step.
+    pub estimated_peak_bytes: u64,
+    /// What the process held before the first step, plus the gradients to come: the
+    /// static part of the estimate.
+    pub static_bytes: u64,
+    /// `(peak − static) / tokens of a micro-batch`: what one more token costs, head
+    /// included, as measured.
+    pub bytes_per_token: f64,
+    /// The same from the estimate.
+    pub estimated_bytes_per_token: f64,
 }
 
 /// Random sequences of `seq_len` tokens with loss on their second half.
@@ -217,6 +229,7 @@ pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) 
             .chunks(1)
             .map(|c| MicroBatch {
                 sequences: c.to_vec(),
+                recompute: false,
             })
             .collect(),
         normalizer: Normalizer {
@@ -282,6 +295,21 @@ pub fn run(
         seq_len,
         options.seed + 1,
     );
+    // The estimate the trainer makes before a run's first step, for one micro-batch of
+    // one sequence.
+    let mut estimate = super::memory::MemoryModel::new(
+        &model.config,
+        options.lora.as_ref(),
+        if kind == Kind::Float { 4 } else { 2 },
+        options.logprob_chunk,
+    );
+    if !device.is_cuda() {
+        estimate.measured_static =
+            Some(super::memory::own_rss() + estimate.trainable * estimate.trainable_elem);
+    }
+    let micro_shape = super::memory::Shape::of(&batch.micro_batches[0]);
+    let micro_estimate = estimate.micro_batch_bytes(micro_shape, options.recompute);
+    let static_bytes = estimate.static_bytes();
     let gpu_memory = super::manifest::GpuMemorySampler::start(device);
     let mut times = Vec::new();
     let (mut comm_bytes, mut comm_seconds) = (Vec::new(), Vec::new());
@@ -318,7 +346,14 @@ pub fn run(
     let device_name = super::manifest::device_name(device);
     let peak_rss = super::manifest::peak_rss_bytes();
     let peak = peak.or_else(|| peak_flops(&device_name).filter(|_| device.is_cuda()));
+    let peak_bytes = gpu_peak.unwrap_or(peak_rss);
+    let micro_tokens = micro_shape.padded() as f64;
     Ok(BenchResult {
+        peak_bytes,
+        estimated_peak_bytes: static_bytes + micro_estimate,
+        static_bytes,
+        bytes_per_token: peak_bytes.saturating_sub(static_bytes) as f64 / micro_tokens,
+        estimated_bytes_per_token: micro_estimate as f64 / micro_tokens,
         preset: preset_name.into(),
         parameters,
         device: device_name,

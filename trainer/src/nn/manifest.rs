@@ -118,6 +118,10 @@ pub struct RunManifest {
     /// Distributed runs: world size, backend, and each rank's compute.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub distributed: Option<Value>,
+    /// The memory budget, the estimate, what the fit chose (`nn::memory::FitReport`)
+    /// and the peak measured (`peak_measured_bytes`, from `peak_measured`: the
+    /// process's peak RSS on CPU, the sampled GPU memory on CUDA).
+    pub memory: Value,
 }
 
 impl RunManifest {
@@ -222,9 +226,18 @@ pub struct GpuMemorySampler {
 }
 
 fn gpu_memory_used(index: usize) -> Option<u64> {
+    nvidia_smi_mib("memory.used", index)
+}
+
+/// The memory of GPU `index` (`nvidia-smi`'s `memory.total`).
+pub fn gpu_memory_total(index: usize) -> Option<u64> {
+    nvidia_smi_mib("memory.total", index)
+}
+
+fn nvidia_smi_mib(query: &str, index: usize) -> Option<u64> {
     let out = std::process::Command::new("nvidia-smi")
         .args([
-            "--query-gpu=memory.used",
+            &format!("--query-gpu={query}"),
             "--format=csv,noheader,nounits",
             "-i",
             &index.to_string(),

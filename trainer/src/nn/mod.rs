@@ -1,9 +1,11 @@
 //! The libtorch backend (tch 0.26 = libtorch 2.13): the model, the policy-gradient
-//! update and the checkpoint. Only [`options`] and [`config`] are built without the
+//! update and the checkpoint. Only [`options`], [`config`] and [`memory`] are built without the
 //! `torch` feature; the rest needs libtorch.
 //!
 //! - [`options`] — the `[train]` settings (schedule, loss, LoRA), checked without tensors;
 //! - [`config`] — `config.json` → [`TransformerConfig`], refusing what is not implemented;
+//! - [`memory`] — the estimate of a step's peak memory, and fitting micro-batches to
+//!   `[train] max_memory` (split, recompute, or a clear error before any step);
 //! - [`weights`] — safetensors in (single or sharded, checked) and out;
 //! - [`model`] — [`Transformer`]: Llama / Qwen2 / Qwen3 with HF's conventions;
 //! - [`loss`] — PPO / GSPO surrogate with dual clip, truncated IS and KL;
@@ -28,6 +30,7 @@ pub mod lora;
 pub mod loss;
 #[cfg(feature = "torch")]
 pub mod manifest;
+pub mod memory;
 #[cfg(feature = "torch")]
 pub mod model;
 #[cfg(feature = "torch")]

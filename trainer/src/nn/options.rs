@@ -224,8 +224,16 @@ pub struct TrainOptions {
     pub kl_coef: f64,
     /// Rows of the head computed at once (bounds the fp32 logits to rows × vocab).
     pub logprob_chunk: usize,
-    /// Recompute each layer in the backward pass instead of keeping its activations.
+    /// Recompute each layer in the backward pass instead of keeping its activations
+    /// (everywhere; without it, the memory fit turns it on only for the micro-batches
+    /// that need it).
     pub recompute: bool,
+    /// The memory the update may use, with a unit (`"16GiB"`, `"20GB"`): before the
+    /// first step every micro-batch's peak is estimated and fitted to it (split, or run
+    /// with recompute), and a sequence that cannot fit is an error. Default: 80% of the
+    /// memory the process can have when the run starts on CPU (the machine's or the
+    /// container's), 80% of the GPU's on CUDA. See `nn::memory`.
+    pub max_memory: Option<String>,
     /// `auto` (fp32 on CPU, bf16 on CUDA), `float32` or `bfloat16`.
     pub dtype: String,
     /// Seed of libtorch's generator (and of a new LoRA adapter's `A`).
@@ -270,6 +278,7 @@ impl Default for TrainOptions {
             kl_coef: 0.0,
             logprob_chunk: 1024,
             recompute: false,
+            max_memory: None,
             dtype: "auto".into(),
             seed: 0,
             lora: None,
@@ -338,7 +347,16 @@ impl TrainOptions {
         if let Some(lora) = &self.lora {
             lora.validate()?;
         }
+        self.max_memory_bytes()?;
         Ok(())
+    }
+
+    /// `max_memory` in bytes, when set.
+    pub fn max_memory_bytes(&self) -> Result<Option<u64>, String> {
+        self.max_memory
+            .as_deref()
+            .map(|m| super::memory::parse_size(m).map_err(|e| format!("train.max_memory = {e}")))
+            .transpose()
     }
 
     /// The AdamW hyper-parameters `[β1, β2, ε, weight decay]`.

@@ -6,7 +6,8 @@
 //!
 //! 1. the trunk runs over the right-padded ids (`[b, t]`; causal attention keeps padding
 //!    out of every real position), with a graph, or without one when `recompute` is on
-//!    (then only each layer's input is kept);
+//!    for the run or for this micro-batch (the memory fit, `nn::memory`; then only each
+//!    layer's input is kept);
 //! 2. the hidden states of the positions that predict a loss token are gathered, and the
 //!    head (final norm + `lm_head` + log-softmax) runs over them `logprob_chunk` rows at
 //!    a time without a graph, giving the log-probs and the entropy;
@@ -176,6 +177,8 @@ pub struct Gathered {
     pub n: i64,
     /// All tokens (unpadded).
     pub tokens: u64,
+    /// Run with recompute (the micro-batch's own flag, see `nn::memory`).
+    pub recompute: bool,
 }
 
 /// Builds the tensors of a micro-batch. Position `t` (≥ 1) with loss mask 1 is
@@ -234,6 +237,7 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
         sequence: l(&seq),
         sequences: b as i64,
         tokens,
+        recompute: mb.recompute,
     }
 }
 
@@ -273,9 +277,10 @@ pub fn micro_step_with(
     let d = model.config.hidden_size;
     let chunk = options.logprob_chunk as i64;
     let layers = model.num_layers();
+    let recompute = options.recompute || g.recompute;
     // 1. trunk
     let mut saved = Vec::new();
-    let top = if options.recompute {
+    let top = if recompute {
         tch::no_grad(|| {
             let mut x = model.embed(&g.ids);
             for i in 0..layers {
@@ -324,7 +329,7 @@ pub fn micro_step_with(
     }
     // 5. trunk
     let mut grad = top_leaf.grad();
-    if options.recompute {
+    if recompute {
         for i in (0..layers).rev() {
             let input = saved[i].detach().set_requires_grad(true);
             let out = model.layers_forward(&input, 0, i..i + 1);

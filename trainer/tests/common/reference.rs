@@ -122,7 +122,10 @@ pub fn seq(ids: &[u32], advantage: f64, weight: f64) -> TrainSequence {
 pub fn micro(sequences: Vec<TrainSequence>) -> MicroBatch {
     let mut sequences = sequences;
     sequences.sort_by_key(|s| std::cmp::Reverse(s.sequence.len()));
-    MicroBatch { sequences }
+    MicroBatch {
+        sequences,
+        recompute: false,
+    }
 }
 
 pub fn grads(model: &Transformer) -> Vec<(String, Vec<f32>)> {
