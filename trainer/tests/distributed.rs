@@ -218,14 +218,15 @@ async fn two_ranks_give_the_checkpoint_of_one_process() {
         }
         // The optimizer state, gathered into the single-process format.
         // (With bf16 weights the gradients themselves are bf16, summed in another order:
-        // the moments differ by bf16 rounding; the fp32 masters by under a sixth of
-        // the 3e-4 that three steps at lr 1e-4 can move a weight.)
+        // the moments differ by bf16 rounding; the fp32 masters by under a third of
+        // the 3e-4 that three steps at lr 1e-4 can move a weight. How far depends on
+        // the CPU's kernels: 5.02e-5 on an Intel machine with AMX, under 5e-5 elsewhere.)
         let s = max_diff_of(
             &one.join("optimizer.safetensors"),
             &two.join("optimizer.safetensors"),
             |n| name != "bf16" || n.ends_with(".master"),
         );
-        let state_tolerance = if name == "bf16" { 5e-5 } else { 1e-5 };
+        let state_tolerance = if name == "bf16" { 1e-4 } else { 1e-5 };
         // bf16 forward passes after the first step run on weights a rounding apart.
         let metric_tolerance = if name == "bf16" { 1e-2 } else { 1e-4 };
         assert!(
