@@ -1,9 +1,10 @@
 //! The libtorch backend (tch 0.26 = libtorch 2.13): the model, the policy-gradient
-//! update and the checkpoint. Only [`options`], [`config`] and [`memory`] are built without the
-//! `torch` feature; the rest needs libtorch.
+//! update and the checkpoint. Only [`options`], [`config`], [`size`] and [`memory`] are
+//! built without the `torch` feature; the rest needs libtorch.
 //!
 //! - [`options`] — the `[train]` settings (schedule, loss, LoRA), checked without tensors;
 //! - [`config`] — `config.json` → [`TransformerConfig`], refusing what is not implemented;
+//! - [`size`] — sizes with units (`"16GiB"`), below `options` and `memory`;
 //! - [`memory`] — the estimate of a step's peak memory, and fitting micro-batches to
 //!   `[train] max_memory` (split, recompute, or a clear error before any step);
 //! - [`weights`] — safetensors in (single or sharded, checked) and out;
@@ -36,6 +37,7 @@ pub mod model;
 #[cfg(feature = "torch")]
 pub mod optim;
 pub mod options;
+pub mod size;
 #[cfg(feature = "torch")]
 pub mod train;
 #[cfg(feature = "torch")]

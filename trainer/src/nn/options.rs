@@ -355,7 +355,7 @@ impl TrainOptions {
     pub fn max_memory_bytes(&self) -> Result<Option<u64>, String> {
         self.max_memory
             .as_deref()
-            .map(|m| super::memory::parse_size(m).map_err(|e| format!("train.max_memory = {e}")))
+            .map(|m| super::size::parse_size(m).map_err(|e| format!("train.max_memory = {e}")))
             .transpose()
     }
 
