@@ -105,7 +105,9 @@ pub struct RawConfig {
     #[arg(long, env = "TAPLINE_SEGMENT_FORMAT")]
     pub segment_format: Option<u8>,
     /// Most client connections served at once; a connection beyond it gets a 503
-    /// (`Retry-After: 1`) and is closed [default: 1024].
+    /// (`Retry-After: 1`) and is closed. At start the soft open-files limit is raised
+    /// to the hard one, and a maximum it cannot hold (two files per connection plus 256)
+    /// stops the start with an error [default: 1024].
     #[arg(long, env = "TAPLINE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
     /// Seconds a client may take to send a request head (also how long an idle
@@ -125,6 +127,12 @@ pub struct RawConfig {
     /// Seconds between two reads of the policy's announcement [default: 2].
     #[arg(long, env = "TAPLINE_POLICY_POLL_SECS")]
     pub policy_poll_secs: Option<f64>,
+    /// Seconds an open episode may go without a call, a reward or an end before the
+    /// sidecar ends it as `timed_out` (recorded so, with `ended_by = tapline-sidecar`);
+    /// below the trainer's `grace_period_secs` (3600), so the trainer sees the end
+    /// rather than dropping the episode as `never_ended` [default: 3000].
+    #[arg(long, alias = "episode-ttl", env = "TAPLINE_EPISODE_TTL_SECS")]
+    pub episode_ttl_secs: Option<f64>,
 }
 
 /// Headers recorded by default (lower-case). Credentials are never recorded, whatever
@@ -209,6 +217,8 @@ pub struct Config {
     pub header_read_timeout: Duration,
     /// The policy to follow, if any.
     pub policy: Option<PolicyConfig>,
+    /// How long an open episode may stay idle before the sidecar ends it `timed_out`.
+    pub episode_ttl: Duration,
 }
 
 /// `--policy`, `--policy-alias`, `--policy-poll-secs`, validated.
@@ -279,6 +289,7 @@ impl RawConfig {
             policy: self.policy.or(fallback.policy),
             policy_alias: self.policy_alias.or(fallback.policy_alias),
             policy_poll_secs: self.policy_poll_secs.or(fallback.policy_poll_secs),
+            episode_ttl_secs: self.episode_ttl_secs.or(fallback.episode_ttl_secs),
         }
     }
 
@@ -471,6 +482,7 @@ impl RawConfig {
             max_connections,
             header_read_timeout,
             policy,
+            episode_ttl: secs("episode-ttl-secs", self.episode_ttl_secs, 3000.0)?,
         })
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
@@ -252,7 +253,8 @@ fn not_open(episode_id: &str, why: NotOpen, what: &str) -> ApiError {
             format!(
                 "episode {episode_id} is not open on this sidecar, so nothing was recorded: \
                  create it with POST /tapline/v1/episodes on the sidecar that gets the {what} \
-                 (a restarted sidecar has forgotten the episodes it had open)"
+                 (open episodes are kept in the spool directory: a sidecar restarted on \
+                 another --spool-dir does not know them)"
             ),
         ),
         NotOpen::Ended => err(
@@ -359,7 +361,7 @@ async fn create_episode(
             kind: EpisodeEventKind::Start as i32,
             task_id: req.task_id.clone(),
             group_id: req.group_id.clone(),
-            metadata: req.metadata,
+            metadata: req.metadata.clone(),
             time_unix_nanos: now_nanos(),
             bound: req.bind,
             ..Default::default()
@@ -371,6 +373,7 @@ async fn create_episode(
         EpisodeInfo {
             task_id: req.task_id.clone(),
             group_id: req.group_id.clone(),
+            tags: req.metadata,
             ..Default::default()
         },
         req.bind,
@@ -515,19 +518,97 @@ fn episode_end(episode_id: String, req: EndEpisode) -> Result<EpisodeEnd, ApiErr
 }
 
 async fn end_episode(state: &AppState, req: EpisodeEnd) -> Result<Response<RespBody>, ApiError> {
-    let episode_id = req.episode_id.as_str();
+    let status = req.status;
+    let (episode_id, info) = end(state, req).await?;
+    Ok(reply(
+        StatusCode::OK,
+        json!({
+            "episode_id": episode_id,
+            "status": status_name(status),
+            "calls": info.calls,
+            // Kept for clients of the first API version: an end is only taken for an
+            // episode open here.
+            "known": true,
+            "incomplete": info.dropped_records > 0,
+        }),
+    ))
+}
+
+/// Ends an open episode: takes the end (one per episode), queues its End record, and
+/// reopens the episode when the record cannot be queued. Returns the episode id and
+/// what was known of it.
+pub async fn end(state: &AppState, req: EpisodeEnd) -> Result<(String, EpisodeInfo), ApiError> {
     let (info, was_bound) = state
         .episodes
-        .end(episode_id)
-        .map_err(|why| not_open(episode_id, why, "end"))?;
+        .end(&req.episode_id)
+        .map_err(|why| not_open(&req.episode_id, why, "end"))?;
+    record_end(state, req, info, was_bound).await
+}
+
+/// Ends, as `timed_out`, every open episode with no call, reward or end for longer than
+/// `ttl` (`--episode-ttl-secs`), with the same End record a harness's end writes.
+/// Returns how many it ended.
+pub async fn end_idle_episodes(state: &AppState, ttl: Duration) -> usize {
+    let mut ended = 0;
+    for episode_id in state.episodes.idle(ttl) {
+        // Taken only if still idle: a call may have come since the list was made.
+        let Some((info, was_bound)) = state.episodes.end_idle(&episode_id, ttl) else {
+            continue;
+        };
+        let req = EpisodeEnd {
+            episode_id,
+            status: EndStatus::TimedOut,
+            metadata: BTreeMap::from([
+                ("ended_by".to_owned(), "tapline-sidecar".to_owned()),
+                (
+                    "reason".to_owned(),
+                    format!(
+                        "no call, reward or end for {} s (--episode-ttl-secs)",
+                        ttl.as_secs_f64()
+                    ),
+                ),
+            ]),
+        };
+        match record_end(state, req, info, was_bound).await {
+            Ok((episode_id, info)) => {
+                ended += 1;
+                state
+                    .metrics
+                    .episodes_timed_out
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    %episode_id,
+                    calls = info.calls,
+                    ttl_secs = ttl.as_secs_f64(),
+                    "ended an idle episode as timed_out"
+                );
+            }
+            Err(e) => tracing::warn!(
+                message = %e.message,
+                "could not record the end of an idle episode; trying again later"
+            ),
+        }
+    }
+    ended
+}
+
+/// Queues the End record of an episode whose end was taken, reopening it if the record
+/// cannot be queued.
+async fn record_end(
+    state: &AppState,
+    req: EpisodeEnd,
+    info: EpisodeInfo,
+    was_bound: bool,
+) -> Result<(String, EpisodeInfo), ApiError> {
+    let episode_id = req.episode_id.as_str();
     let submitted = submit(
         state,
         RecordKind::EpisodeEvent(EpisodeEvent {
             event_id: uuid::Uuid::now_v7().to_string(),
             episode_id: episode_id.to_owned(),
             kind: EpisodeEventKind::End as i32,
-            task_id: info.task_id,
-            group_id: info.group_id,
+            task_id: info.task_id.clone(),
+            group_id: info.group_id.clone(),
             status: req.status as i32,
             metadata: req.metadata,
             time_unix_nanos: now_nanos(),
@@ -541,18 +622,7 @@ async fn end_episode(state: &AppState, req: EpisodeEnd) -> Result<Response<RespB
         state.episodes.reopen(episode_id, was_bound);
         return Err(e);
     }
-    Ok(reply(
-        StatusCode::OK,
-        json!({
-            "episode_id": episode_id,
-            "status": status_name(req.status),
-            "calls": info.calls,
-            // Kept for clients of the first API version: an end is only taken for an
-            // episode open here.
-            "known": true,
-            "incomplete": info.dropped_records > 0,
-        }),
-    ))
+    Ok((req.episode_id, info))
 }
 
 fn status_name(status: EndStatus) -> &'static str {
@@ -579,7 +649,12 @@ fn health(state: &AppState) -> Response<RespBody> {
             "upstream": state.upstream_base,
             "upstream_kind": state.config.upstream_kind.as_str(),
             "store": state.store_display,
-            "open_episodes": state.episodes.open(),
+            "open_episodes": state.episodes.open_count(),
+            "episode_journal": state.episodes.journal_health().map(|j| json!({
+                "bytes": j.bytes,
+                "errors": j.errors,
+                "last_error": j.last_error,
+            })),
             "bound_episode": state.episodes.bound(),
             "records_dropped": m.records_dropped.load(Ordering::Relaxed),
             "upload_failures": m.upload_failures.load(Ordering::Relaxed),

@@ -26,6 +26,7 @@ pub mod config;
 pub mod control;
 pub mod dump;
 pub mod episodes;
+pub mod fds;
 pub mod json;
 pub mod limits;
 pub mod metrics;

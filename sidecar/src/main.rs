@@ -160,6 +160,13 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             config.header_read_timeout
         );
     }
+    let fds = tapline_sidecar::fds::raise(config.max_connections)?;
+    tracing::debug!(
+        before = ?fds.before,
+        now = ?fds.now,
+        needed = fds.needed,
+        "RLIMIT_NOFILE"
+    );
     let runtime = match args.worker_threads {
         0 => anyhow::bail!(
             "invalid setting `worker-threads`: 0; give 1 or more threads (1 runs one event loop)"

@@ -78,6 +78,12 @@ pub struct Metrics {
     pub connections_open: AtomicU64,
     /// Client connections turned away by `--max-connections`.
     pub connections_refused: AtomicU64,
+    /// Episodes the sidecar ended as `timed_out` (`--episode-ttl-secs`).
+    pub episodes_timed_out: AtomicU64,
+    /// Open episodes restored from the journal at start.
+    pub episodes_restored: AtomicU64,
+    /// Failed writes of the episode journal (copied from it by the episode keeper).
+    pub episode_journal_errors: AtomicU64,
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     latency_count: AtomicU64,
     latency_sum_nanos: AtomicU64,
@@ -144,7 +150,7 @@ impl Metrics {
             .iter()
             .map(|o| get(&self.outcomes[*o as usize]))
             .sum();
-        let counters: [(&'static str, &str, u64); 20] = [
+        let counters: [(&'static str, &str, u64); 23] = [
             (
                 "tapline_errors_total",
                 "Proxied calls that did not end ok.",
@@ -244,6 +250,21 @@ impl Metrics {
                 "tapline_connections_refused_total",
                 "Client connections answered 503 or closed because --max-connections were open.",
                 get(&self.connections_refused),
+            ),
+            (
+                "tapline_episodes_timed_out_total",
+                "Open episodes the sidecar ended as timed_out after --episode-ttl-secs without activity.",
+                get(&self.episodes_timed_out),
+            ),
+            (
+                "tapline_episodes_restored_total",
+                "Open episodes restored from the episode journal at start.",
+                get(&self.episodes_restored),
+            ),
+            (
+                "tapline_episode_journal_errors_total",
+                "Failed writes of the episode journal (a restart would forget changes since).",
+                get(&self.episode_journal_errors),
             ),
         ];
         for (name, help, value) in counters {

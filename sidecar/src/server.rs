@@ -32,7 +32,7 @@ pub use crate::state::AppState;
 /// Idle upstream connections kept for reuse. Each holds ~40 KB (hyper's read and write
 /// buffers); a harness rarely has more calls in flight than this, and calls beyond it
 /// still work, on connections opened for them.
-const MAX_IDLE_UPSTREAM: usize = 128;
+pub const MAX_IDLE_UPSTREAM: usize = 128;
 
 /// The upstream connection pool for the settings (HTTP/1.1 keep-alive, http and https).
 pub fn upstream(config: &Config) -> anyhow::Result<Arc<Upstream>> {
@@ -52,7 +52,9 @@ pub async fn handle(
     let path = req.uri().path();
     if path == "/metrics" && req.method() == http::Method::GET {
         let mut exposition = crate::metrics::Exposition::default();
-        state.metrics.expose(state.episodes.open(), &mut exposition);
+        state
+            .metrics
+            .expose(state.episodes.open_count(), &mut exposition);
         if let Some(policy) = &state.policy {
             policy.expose(&mut exposition);
         }
@@ -106,6 +108,21 @@ impl Sidecar {
             metrics.clone(),
         )
         .map_err(|e| anyhow::anyhow!("spool directory {}: {e}", config.spool_dir.display()))?;
+        let (episodes, restored) = Episodes::open(&config.spool_dir).map_err(|e| {
+            anyhow::anyhow!("episode journal in {}: {e}", config.spool_dir.display())
+        })?;
+        metrics
+            .episodes_restored
+            .store(restored.open as u64, Ordering::Relaxed);
+        if restored.open + restored.known > 0 || restored.recovery.torn_bytes > 0 {
+            tracing::info!(
+                open = restored.open,
+                remembered = restored.known,
+                bound = restored.bound.as_deref().unwrap_or(""),
+                torn_bytes = restored.recovery.torn_bytes,
+                "restored the episode table from the journal"
+            );
+        }
         let ack_wait = match config.spool_full_policy {
             FullPolicy::Drop => Some(Duration::from_secs(2)),
             FullPolicy::Block => None,
@@ -134,11 +151,12 @@ impl Sidecar {
             sink: recorder.clone(),
             recorder: Some(recorder.clone()),
             ack_wait,
-            episodes: Episodes::default(),
+            episodes,
             metrics,
             policy,
             config,
         });
+        tokio::spawn(keep_episodes(state.clone(), stop_rx.clone()));
         let server = tokio::spawn(accept_loop(listener, state.clone(), stop_rx));
         Ok(Sidecar {
             addr,
@@ -186,9 +204,44 @@ impl Sidecar {
     }
 }
 
+/// The episode table's background work: fsyncs its journal on the spool's interval
+/// (a SIGKILL loses nothing written; this is for crashes of the machine) and ends
+/// episodes idle for longer than `--episode-ttl-secs`.
+async fn keep_episodes(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    let ttl = state.config.episode_ttl;
+    let sync_every = state.config.fsync_interval.max(Duration::from_millis(10));
+    let check_every = (ttl / 10).clamp(Duration::from_millis(20), Duration::from_secs(30));
+    let mut last_check = tokio::time::Instant::now();
+    loop {
+        let stopping = tokio::select! {
+            _ = tokio::time::sleep(sync_every) => false,
+            _ = stop.changed() => true,
+        };
+        if let Some(job) = state.episodes.sync_job() {
+            let synced = tokio::task::spawn_blocking(move || job.and_then(|f| f.sync_data())).await;
+            if let Ok(Err(error)) = synced {
+                tracing::error!(%error, "episode journal fsync failed");
+            }
+        }
+        if let Some(health) = state.episodes.journal_health() {
+            state
+                .metrics
+                .episode_journal_errors
+                .store(health.errors, Ordering::Relaxed);
+        }
+        if stopping {
+            return;
+        }
+        if last_check.elapsed() >= check_every {
+            last_check = tokio::time::Instant::now();
+            crate::control::end_idle_episodes(&state, ttl).await;
+        }
+    }
+}
+
 /// Connections beyond `--max-connections` that are still answered (a 503 with
 /// `Retry-After`); past these, new connections are closed at once.
-const MAX_REFUSING_CONNECTIONS: usize = 64;
+pub const MAX_REFUSING_CONNECTIONS: usize = 64;
 
 /// The answer to every request on a connection over `--max-connections`.
 fn over_capacity(max: usize) -> Response<RespBody> {

@@ -104,3 +104,86 @@ fn log_format_json_writes_one_object_per_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("text") && err.contains("json"), "{err}");
 }
+
+/// The soft and hard "Max open files" of a running process.
+fn open_files_limits(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let mut fields = line["Max open files".len()..].split_whitespace();
+    (
+        fields.next().unwrap().to_owned(),
+        fields.next().unwrap().to_owned(),
+    )
+}
+
+#[test]
+fn the_soft_open_files_limit_is_raised_and_too_many_connections_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let hard: u64 = {
+        let out = Command::new("sh")
+            .args(["-c", "ulimit -Hn"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(u64::MAX)
+    };
+    let bin = env!("CARGO_BIN_EXE_tapline-sidecar");
+    let common = |port: u16| {
+        format!(
+            "--listen 127.0.0.1:{port} --upstream http://127.0.0.1:9 --sidecar-id fds \
+             --store {d}/store --spool-dir {d}/spool",
+            d = dir.path().display()
+        )
+    };
+    if hard >= 1024 {
+        // Soft 256, hard as it is: the sidecar raises soft to hard and serves 300
+        // connections, which need more than 256.
+        let port = free_port();
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                &format!(
+                    "ulimit -Sn 256 && exec {bin} {} --max-connections 300",
+                    common(port)
+                ),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "the sidecar did not start");
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let (soft, hard_seen) = open_files_limits(child.id());
+        assert_eq!(soft, hard_seen, "soft raised to hard");
+        assert_eq!(hard_seen, hard.to_string());
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    // Hard 512: 1024 connections cannot fit; the sidecar says so and does not start.
+    let out = Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "ulimit -n 512 && exec {bin} {} --max-connections 1024",
+                common(free_port())
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("max-connections")
+            && err.contains("may open only 512")
+            && err.contains("at most 128"),
+        "{err}"
+    );
+}

@@ -215,6 +215,10 @@ impl Drop for Process {
 }
 
 fn spawn_sidecar(listen: SocketAddr, upstream: &str, dir: &Path) -> Process {
+    spawn_sidecar_with(listen, upstream, dir, &[])
+}
+
+fn spawn_sidecar_with(listen: SocketAddr, upstream: &str, dir: &Path, extra: &[&str]) -> Process {
     #[allow(
         clippy::zombie_processes,
         reason = "Process::drop kills and waits for it"
@@ -232,6 +236,7 @@ fn spawn_sidecar(listen: SocketAddr, upstream: &str, dir: &Path) -> Process {
         .arg(dir.join("store"))
         .arg("--spool-dir")
         .arg(dir.join("spool"))
+        .args(extra)
         .env("TAPLINE_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -508,4 +513,370 @@ async fn shutdown_lets_open_streams_finish_and_flushes_their_records() {
     shutdown.await.unwrap();
     let calls = calls(&store, 1).await;
     assert_eq!(calls[0].outcome(), Outcome::Ok);
+}
+
+fn free_port() -> SocketAddr {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// What a harness knows of one episode after its requests: only answers it received
+/// count; a request cut by the kill makes the episode's state uncertain.
+#[derive(Debug, Default, Clone)]
+struct Seen {
+    rewards: Vec<String>,
+    ended: bool,
+    uncertain: bool,
+}
+
+/// Sends one control request; `None` when the sidecar died before answering.
+async fn control(
+    client: &TestClient,
+    addr: SocketAddr,
+    path: &str,
+    body: Value,
+) -> Option<(StatusCode, Value)> {
+    let resp = client
+        .request(post(addr, path, body.to_string()))
+        .await
+        .ok()?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    Some((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
+}
+
+/// Plays harnesses until `stop`: create an episode, two calls in it, a reward, and end
+/// every other episode.
+async fn harness(
+    addr: SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<(String, Seen)> {
+    let client = client();
+    let mut out = Vec::new();
+    let mut n = 0u32;
+    while !stop.load(Ordering::SeqCst) {
+        let Some((status, created)) = control(
+            &client,
+            addr,
+            "/tapline/v1/episodes",
+            json!({"task_id": "t"}),
+        )
+        .await
+        else {
+            break;
+        };
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+        let id = created["episode_id"].as_str().unwrap().to_owned();
+        let mut seen = Seen::default();
+        let path = format!("/e/{id}/v1/chat/completions");
+        for _ in 0..2 {
+            if send_ok(&client, post(addr, &path, "{}")).await.is_none() {
+                seen.uncertain = true;
+            }
+        }
+        if !seen.uncertain {
+            match control(
+                &client,
+                addr,
+                &format!("/tapline/v1/episodes/{id}/rewards"),
+                json!({"value": 1.0}),
+            )
+            .await
+            {
+                Some((StatusCode::CREATED, r)) => seen
+                    .rewards
+                    .push(r["reward_id"].as_str().unwrap().to_owned()),
+                Some((status, r)) => panic!("reward for an open episode refused: {status} {r}"),
+                None => seen.uncertain = true,
+            }
+        }
+        if !seen.uncertain && n.is_multiple_of(2) {
+            match control(
+                &client,
+                addr,
+                &format!("/tapline/v1/episodes/{id}/end"),
+                json!({"status": "succeeded"}),
+            )
+            .await
+            {
+                Some((StatusCode::OK, _)) => seen.ended = true,
+                Some((status, r)) => panic!("end of an open episode refused: {status} {r}"),
+                None => seen.uncertain = true,
+            }
+        }
+        n += 1;
+        out.push((id, seen));
+        if seen_uncertain(&out) {
+            break;
+        }
+    }
+    out
+}
+
+fn seen_uncertain(out: &[(String, Seen)]) -> bool {
+    out.last().is_some_and(|(_, s)| s.uncertain)
+}
+
+async fn send_ok(
+    client: &TestClient,
+    req: http::Request<http_body_util::Full<Bytes>>,
+) -> Option<()> {
+    let resp = client.request(req).await.ok()?;
+    resp.into_body().collect().await.ok()?;
+    Some(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_episodes_survive_sigkill_at_random_points_under_load() {
+    let upstream = Upstream::start(|_| {
+        Script::json(r#"{"choices":[{"index":0,"message":{"content":"hi"}}]}"#)
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let listen = free_port();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64
+        | 1;
+    eprintln!("kill times seeded with {seed}");
+    let mut rng = seed;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut episodes: Vec<(String, Seen)> = Vec::new();
+    for _round in 0..3 {
+        let process = spawn_sidecar(listen, &upstream.url(), dir.path());
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let workers: Vec<_> = (0..4)
+            .map(|_| tokio::spawn(harness(listen, stop.clone())))
+            .collect();
+        tokio::time::sleep(Duration::from_millis(300 + next() % 900)).await;
+        drop(process); // SIGKILL, wherever the sidecar is
+        stop.store(true, Ordering::SeqCst);
+        for w in workers {
+            episodes.extend(w.await.unwrap());
+        }
+    }
+    let open: Vec<&String> = episodes
+        .iter()
+        .filter(|(_, s)| !s.ended && !s.uncertain)
+        .map(|(id, _)| id)
+        .collect();
+    let ended: Vec<&String> = episodes
+        .iter()
+        .filter(|(_, s)| s.ended)
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        open.len() > 10 && ended.len() > 10,
+        "{} open, {} ended: too little load",
+        open.len(),
+        ended.len()
+    );
+
+    // After the last kill, a restart accepts rewards and ends for every episode the
+    // harnesses saw open, and still refuses both for every one they saw end.
+    let process = spawn_sidecar(listen, &upstream.url(), dir.path());
+    let client = client();
+    let mut late_rewards = Vec::new();
+    for id in &open {
+        let (status, body) = control(
+            &client,
+            listen,
+            &format!("/tapline/v1/episodes/{id}/rewards"),
+            json!({"value": 0.5}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "reward for open episode {id} after restarts: {body}"
+        );
+        late_rewards.push(body["reward_id"].as_str().unwrap().to_owned());
+        let (status, body) = control(
+            &client,
+            listen,
+            &format!("/tapline/v1/episodes/{id}/end"),
+            json!({"status": "failed"}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            status,
+            StatusCode::OK,
+            "end of open episode {id} after restarts: {body}"
+        );
+    }
+    for id in &ended {
+        let (status, body) = control(
+            &client,
+            listen,
+            &format!("/tapline/v1/episodes/{id}/rewards"),
+            json!({"value": 0.5}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            status,
+            StatusCode::CONFLICT,
+            "reward for ended episode {id}: {body}"
+        );
+    }
+
+    // Every accepted reward is stored exactly once, and every episode ended once.
+    let store = format!("file://{}", dir.path().join("store").display());
+    let accepted: HashSet<String> = episodes
+        .iter()
+        .flat_map(|(_, s)| s.rewards.iter().cloned())
+        .chain(late_rewards)
+        .collect();
+    let mut stored: Vec<Record> = Vec::new();
+    for _ in 0..300 {
+        stored = records(&store).await;
+        let ids: HashSet<&str> = stored
+            .iter()
+            .filter_map(|r| match &r.kind {
+                Some(RecordKind::Reward(w)) => Some(w.reward_id.as_str()),
+                _ => None,
+            })
+            .collect();
+        let ends = stored
+            .iter()
+            .filter(|r| matches!(&r.kind, Some(RecordKind::EpisodeEvent(e)) if e.kind == tapline_proto::EpisodeEventKind::End as i32))
+            .count();
+        if accepted.iter().all(|id| ids.contains(id.as_str())) && ends >= open.len() + ended.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut rewards: std::collections::HashMap<&str, usize> = Default::default();
+    let mut ends: std::collections::HashMap<&str, usize> = Default::default();
+    for r in &stored {
+        match &r.kind {
+            Some(RecordKind::Reward(w)) => *rewards.entry(w.reward_id.as_str()).or_default() += 1,
+            Some(RecordKind::EpisodeEvent(e))
+                if e.kind == tapline_proto::EpisodeEventKind::End as i32 =>
+            {
+                *ends.entry(e.episode_id.as_str()).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+    for id in &accepted {
+        assert_eq!(
+            rewards.get(id.as_str()),
+            Some(&1),
+            "reward {id} stored once"
+        );
+    }
+    for id in open.iter().chain(&ended) {
+        assert_eq!(ends.get(id.as_str()), Some(&1), "episode {id} ended once");
+    }
+    assert!(ends.values().all(|&n| n == 1), "no episode ended twice");
+    drop(process);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_episode_is_ended_timed_out_by_the_sidecar() {
+    let upstream = Upstream::start(|_| {
+        Script::json(r#"{"choices":[{"index":0,"message":{"content":"hi"}}]}"#)
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.episode_ttl_secs = Some(0.4);
+    })
+    .await;
+    let addr = sidecar.local_addr();
+    let client = client();
+    let (_, idle) = control(
+        &client,
+        addr,
+        "/tapline/v1/episodes",
+        json!({"task_id": "t"}),
+    )
+    .await
+    .unwrap();
+    let idle = idle["episode_id"].as_str().unwrap().to_owned();
+    let (_, busy) = control(
+        &client,
+        addr,
+        "/tapline/v1/episodes",
+        json!({"task_id": "t"}),
+    )
+    .await
+    .unwrap();
+    let busy = busy["episode_id"].as_str().unwrap().to_owned();
+    // Calls keep one episode active past the TTL; the other gets none.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1200) {
+        send_ok(
+            &client,
+            post(addr, &format!("/e/{busy}/v1/chat/completions"), "{}"),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, body) = control(
+        &client,
+        addr,
+        &format!("/tapline/v1/episodes/{idle}/rewards"),
+        json!({"value": 1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "the idle episode has ended: {body}"
+    );
+    let (status, _) = control(
+        &client,
+        addr,
+        &format!("/tapline/v1/episodes/{busy}/rewards"),
+        json!({"value": 1}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, StatusCode::CREATED, "an active episode stays open");
+    assert_eq!(
+        sidecar
+            .state()
+            .metrics
+            .episodes_timed_out
+            .load(Ordering::SeqCst),
+        1
+    );
+    let mut end = None;
+    for _ in 0..200 {
+        end = records(&store)
+            .await
+            .into_iter()
+            .find_map(|r| match r.kind {
+                Some(RecordKind::EpisodeEvent(e))
+                    if e.kind == tapline_proto::EpisodeEventKind::End as i32 =>
+                {
+                    Some(e)
+                }
+                _ => None,
+            });
+        if end.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let end = end.expect("the timed-out end is recorded");
+    assert_eq!(end.episode_id, idle);
+    assert_eq!(end.status, tapline_proto::EndStatus::TimedOut as i32);
+    assert_eq!(end.metadata["ended_by"], "tapline-sidecar");
+    assert!(end.metadata["reason"].contains("--episode-ttl-secs"));
 }

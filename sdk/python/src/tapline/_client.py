@@ -60,7 +60,8 @@ class EndResult:
     #: Whether some of the episode's records had to be dropped (a full spool).
     incomplete: bool
     #: Always True: a sidecar refuses (404 `unknown_episode`) to end an episode it does
-    #: not have open, for example after a restart. Kept for older sidecars.
+    #: not have open (one restarted on another spool directory). Kept for older
+    #: sidecars.
     known: bool
 
 
