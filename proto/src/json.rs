@@ -161,8 +161,8 @@ mod tests {
     fn bodies_are_text_or_base64_and_enums_are_names() {
         let call = LlmCall {
             span_id: "s".into(),
-            request_body: br#"{"model":"m"}"#.to_vec(),
-            response_body: vec![0xff, 0x00, 0x01],
+            request_body: br#"{"model":"m"}"#.to_vec().into(),
+            response_body: vec![0xff, 0x00, 0x01].into(),
             outcome: Outcome::ClientAborted as i32,
             ..Default::default()
         };

@@ -36,8 +36,9 @@ fn call(i: u64, body_len: usize) -> Record {
             api: Api::ChatCompletions as i32,
             outcome: Outcome::Ok as i32,
             request_body: format!(r#"{{"messages":[{{"role":"user","content":"q{i}"}}]}}"#)
-                .into_bytes(),
-            response_body: body,
+                .into_bytes()
+                .into(),
+            response_body: body.into(),
             completions: vec![Completion {
                 text: format!("answer {i}"),
                 tool_calls: vec![ToolCall {
@@ -378,8 +379,8 @@ fn arb_record() -> impl Strategy<Value = Record> {
             RecordKind::LlmCall(LlmCall {
                 span_id: uuid_like(&req),
                 episode_id: episode,
-                request_body: req,
-                response_body: resp,
+                request_body: req.into(),
+                response_body: resp.into(),
                 prompt_token_ids: ids.clone(),
                 completions: vec![Completion {
                     token_ids: ids,

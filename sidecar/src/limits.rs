@@ -105,8 +105,8 @@ mod tests {
     fn big_call() -> LlmCall {
         LlmCall {
             span_id: "s".into(),
-            request_body: vec![b'q'; 30 << 20],
-            response_body: vec![b'r'; 20 << 20],
+            request_body: vec![b'q'; 30 << 20].into(),
+            response_body: vec![b'r'; 20 << 20].into(),
             completions: vec![Completion {
                 text: "a".repeat(20 << 20),
                 ..Completion::default()
@@ -154,7 +154,7 @@ mod tests {
         );
         // A call within the limit is left alone.
         let mut small = LlmCall {
-            request_body: b"{}".to_vec(),
+            request_body: b"{}".to_vec().into(),
             ..LlmCall::default()
         };
         let before = small.clone();

@@ -181,11 +181,15 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .build()?,
     };
     runtime.block_on(async move {
+        // Handlers first: a SIGTERM that arrives once the port is bound (a
+        // supervisor, a test that saw the port open) must drain and flush,
+        // not take the default action and kill the process.
+        let stop = shutdown_signal();
         let sidecar = Sidecar::start(config)
             .await
             .context("cannot start the sidecar")?;
         tracing::info!("{}", sidecar.describe());
-        shutdown_signal().await;
+        stop.await;
         tracing::info!(
             ?drain,
             ?flush,
@@ -197,25 +201,32 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Installs the SIGINT and SIGTERM handlers now (not when first polled) and
+/// returns a future that ends at the first of them.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    return;
+        use tokio::signal::unix::{SignalKind, signal};
+        let int = signal(SignalKind::interrupt());
+        let term = signal(SignalKind::terminate());
+        async move {
+            match (int, term) {
+                (Ok(mut int), Ok(mut term)) => {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
                 }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
+            }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async move {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }

@@ -38,6 +38,34 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Waits until the sidecar started as `child` serves its own health on `port`
+/// (not merely until something accepts there: a port from `free_port` can be
+/// taken by a sidecar another test started at the same time).
+fn wait_serving(child: &mut std::process::Child, port: u16, sidecar_id: &str) {
+    use std::io::Write;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let want = format!("\"sidecar_id\":\"{sidecar_id}\"");
+    loop {
+        assert!(Instant::now() < deadline, "the sidecar did not start");
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the sidecar exited before serving: {status}");
+        }
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let _ = write!(
+                s,
+                "GET /tapline/v1/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+            );
+            let mut reply = String::new();
+            let _ = s.read_to_string(&mut reply);
+            if reply.replace(' ', "").contains(&want) {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
 /// Starts the sidecar, waits until it serves, stops it with SIGTERM; returns stderr.
 fn run_and_stop(configure: impl FnOnce(&mut Command)) -> String {
     let dir = tempfile::tempdir().unwrap();
@@ -55,11 +83,7 @@ fn run_and_stop(configure: impl FnOnce(&mut Command)) -> String {
         .stderr(Stdio::piped());
     configure(&mut cmd);
     let mut child = cmd.spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "the sidecar did not start");
-        std::thread::sleep(Duration::from_millis(25));
-    }
+    wait_serving(&mut child, port, "logs");
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -156,11 +180,7 @@ fn the_soft_open_files_limit_is_raised_and_too_many_connections_are_refused() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "the sidecar did not start");
-            std::thread::sleep(Duration::from_millis(25));
-        }
+        wait_serving(&mut child, port, "fds");
         let (soft, hard_seen) = open_files_limits(child.id());
         assert_eq!(soft, hard_seen, "soft raised to hard");
         assert_eq!(hard_seen, hard.to_string());

@@ -32,8 +32,8 @@ fn prints_every_record_as_a_json_line() {
         RecordKind::LlmCall(LlmCall {
             span_id: "span-1".into(),
             episode_id: "ep-1".into(),
-            request_body: br#"{"model":"m","messages":[]}"#.to_vec(),
-            response_body: vec![0x80, 0x81],
+            request_body: br#"{"model":"m","messages":[]}"#.to_vec().into(),
+            response_body: vec![0x80, 0x81].into(),
             outcome: Outcome::Ok as i32,
             ..Default::default()
         }),
@@ -158,7 +158,7 @@ fn an_oversized_record_is_named_and_its_neighbours_are_printed() {
         t0,
         RecordKind::LlmCall(LlmCall {
             span_id: "big".into(),
-            request_body: vec![b'a'; 65 << 20],
+            request_body: vec![b'a'; 65 << 20].into(),
             ..Default::default()
         }),
     );
@@ -230,7 +230,7 @@ fn one_episode_reads_as_a_conversation() {
                 request_model: "qwen3".into(),
                 response_model: "qwen3".into(),
                 policy_version: "v3".into(),
-                request_body: request.to_string().into_bytes(),
+                request_body: request.to_string().into_bytes().into(),
                 completions: vec![answer],
                 usage: Some(Usage {
                     prompt_tokens: 50 + seq,

@@ -291,7 +291,7 @@ mod tests {
             span_id: span.into(),
             outcome: Outcome::Ok as i32,
             http_status: 200,
-            request_body: body.as_bytes().to_vec(),
+            request_body: body.as_bytes().to_vec().into(),
             completions: vec![Completion::default()],
             ..LlmCall::default()
         }

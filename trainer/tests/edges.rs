@@ -224,7 +224,7 @@ async fn a_segment_with_one_oversized_record_still_yields_the_others() {
         RecordKind::LlmCall(tapline_proto::LlmCall {
             span_id: "big".into(),
             episode_id: "e".into(),
-            request_body: vec![b'a'; 65 << 20],
+            request_body: vec![b'a'; 65 << 20].into(),
             ..tapline_proto::LlmCall::default()
         }),
     );

@@ -99,8 +99,8 @@ pub fn episode(words: &mut Words, episode: usize, turns: usize) -> Vec<RecordKin
             episode_id: format!("ep-{episode:06}"),
             task_id: format!("task-{}", episode / 8),
             seq: turn as u32,
-            request_body: serde_json::to_vec(&request).unwrap_or_default(),
-            response_body: response.into_bytes(),
+            request_body: serde_json::to_vec(&request).unwrap_or_default().into(),
+            response_body: response.into_bytes().into(),
             streamed: true,
             completions: vec![Completion {
                 text: thought.clone(),

@@ -34,16 +34,16 @@ fuzz_target!(|data: &[u8]| {
         2 => {
             let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
             gz.write_all(body).unwrap();
-            call.response_body = gz.finish().unwrap();
+            call.response_body = gz.finish().unwrap().into();
             call.response_headers
                 .insert("content-encoding".into(), "gzip".into());
         }
         3 => {
-            call.response_body = body.to_vec();
+            call.response_body = body.to_vec().into();
             call.response_headers
                 .insert("content-encoding".into(), "br".into());
         }
-        _ => call.response_body = body.to_vec(),
+        _ => call.response_body = body.to_vec().into(),
     }
     let completed = complete(&mut call);
     assert_eq!(completed.warned, !call.capture_warnings.is_empty());

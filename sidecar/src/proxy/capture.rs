@@ -131,7 +131,7 @@ impl Capture {
         }
         call.response_truncated = self.body_size > self.body.len() as u64;
         call.response_body_size = self.body_size;
-        call.response_body = std::mem::take(&mut self.body);
+        call.response_body = std::mem::take(&mut self.body).into();
         // The live count by outcome goes by transport and status; an error reported
         // inside a 2xx body is counted when the segment is built (`body_errors`).
         self.state

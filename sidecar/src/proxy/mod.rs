@@ -263,7 +263,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         method: parts.method.to_string(),
         path: path_and_query.clone(),
         start_unix_nanos: start_nanos,
-        request_body: captured_request.to_vec(),
+        request_body: captured_request,
         request_truncated: read_len > cap,
         request_body_size: read_len as u64,
         request_headers: recorded_headers(&headers, &state.config.recorded_headers),

@@ -463,7 +463,7 @@ mod tests {
             streamed,
             http_status: status,
             outcome: Outcome::Ok as i32,
-            response_body: body.to_vec(),
+            response_body: body.to_vec().into(),
             response_body_size: body.len() as u64,
             ..Default::default()
         }

@@ -514,7 +514,7 @@ mod tests {
             streamed: true,
             http_status: 200,
             outcome: Outcome::Ok as i32,
-            response_body: STREAM.as_bytes().to_vec(),
+            response_body: STREAM.as_bytes().to_vec().into(),
             response_body_size: STREAM.len() as u64,
             ..Default::default()
         }

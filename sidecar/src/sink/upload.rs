@@ -273,9 +273,9 @@ mod tests {
         );
         let stream = event.repeat(20_000);
         let call = LlmCall {
-            request_body: vec![b' '; 30 << 20],
+            request_body: vec![b' '; 30 << 20].into(),
             request_body_size: 30 << 20,
-            response_body: stream.clone().into_bytes(),
+            response_body: stream.clone().into_bytes().into(),
             response_body_size: stream.len() as u64,
             ..captured_call()
         };

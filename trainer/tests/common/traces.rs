@@ -194,7 +194,7 @@ impl Trace {
             end_unix_nanos: time + 500_000,
             http_status: if outcome == Outcome::Ok { 200 } else { 500 },
             outcome: outcome as i32,
-            request_body: serde_json::to_vec(request).unwrap_or_default(),
+            request_body: serde_json::to_vec(request).unwrap_or_default().into(),
             request_model: "m".into(),
             completions: vec![completion],
             prompt_token_ids,
