@@ -9,6 +9,7 @@
 //! - [`store`]: opening an `object_store` from a URL.
 //! - [`json`]: records as JSON objects (one per line in `dump`).
 
+pub mod encode;
 pub mod json;
 pub mod keys;
 pub mod policy;

@@ -179,7 +179,6 @@ pub struct SegmentWriter<W: Write> {
     version: u8,
     records: u64,
     body_bytes: u64,
-    scratch: Vec<u8>,
 }
 
 impl<W: Write> std::fmt::Debug for SegmentWriter<W> {
@@ -225,19 +224,27 @@ impl<W: Write> SegmentWriter<W> {
             version,
             records: 0,
             body_bytes: 0,
-            scratch: Vec::new(),
         })
     }
 
     /// Appends one record.
     pub fn append(&mut self, record: &Record) -> Result<(), SegmentError> {
-        self.scratch.clear();
-        record
-            .encode_length_delimited(&mut self.scratch)
-            .map_err(|e| SegmentError::Io(io::Error::other(e)))?;
-        self.encoder.write_all(&self.scratch)?;
+        let encoded = record.encode_length_delimited_to_vec();
+        self.encoder.write_all(&encoded)?;
         self.records += 1;
-        self.body_bytes += self.scratch.len() as u64;
+        self.body_bytes += encoded.len() as u64;
+        Ok(())
+    }
+
+    /// Appends one record, as [`append`](Self::append) does, but writes a large call's
+    /// bodies into the compressor from the buffers the record holds instead of encoding
+    /// the whole record into one buffer first (see [`crate::encode::Pieces`]). The
+    /// record is the same when this returns.
+    pub fn append_in_place(&mut self, record: &mut Record) -> Result<(), SegmentError> {
+        let pieces = crate::encode::Pieces::of(record, true);
+        pieces.write_to(&mut self.encoder)?;
+        self.records += 1;
+        self.body_bytes += pieces.len() as u64;
         Ok(())
     }
 

@@ -58,7 +58,7 @@ use crate::upstream::SendError;
 use capture::{CallGuard, Capture, Spooled, attributed};
 use fidelity::{ModelRestore, Rewrite, SseRewriter};
 use request::{
-    concat, error_chain, read_capped, recorded_headers, remove_hop_by_hop, request_model,
+    error_chain, read_capped, recorded_headers, remove_hop_by_hop, request_model,
     split_episode_prefix, take_tapline_headers,
 };
 use stream::{CaptureBody, terminal_event};
@@ -119,7 +119,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     let span_id = uuid::Uuid::now_v7().to_string();
 
     let cap = state.config.capture_cap_bytes;
-    let (chunks, read_len, remainder) = match read_capped(body, cap).await {
+    let (request_bytes, read_len, remainder) = match read_capped(body, cap).await {
         Ok(read) => read,
         Err(error) => {
             // The client went away while sending its request: nothing to forward.
@@ -148,7 +148,6 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         .metrics
         .request_bytes
         .fetch_add(read_len as u64, Ordering::Relaxed);
-    let request_bytes = concat(&chunks, read_len);
     let captured_request = request_bytes.slice(..read_len.min(cap));
     let request_model = if remainder.is_none() {
         request_model(&request_bytes)
@@ -247,9 +246,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
                 })
                 .map_err(BoxError::from);
             let head = futures::stream::iter(
-                chunks
-                    .into_iter()
-                    .map(|c| Ok::<_, BoxError>(Frame::data(c))),
+                std::iter::once(request_bytes).map(|c| Ok::<_, BoxError>(Frame::data(c))),
             );
             let body =
                 http_body_util::StreamBody::new(head.chain(http_body_util::BodyStream::new(rest)));

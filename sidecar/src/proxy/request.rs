@@ -68,39 +68,50 @@ pub fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Res
     resp
 }
 
-/// Reads up to `cap` bytes of a request body. Returns the chunks read and, when the body
-/// is longer, the unread remainder.
+/// Reads up to `cap` bytes of a request body into one buffer. Returns the bytes read
+/// (at least `cap + 1` of them when the body is longer) and, then, the unread
+/// remainder.
+///
+/// The body is held once: a single frame is kept as it came, several are copied into
+/// one buffer sized from the declared length (capped, so a false `Content-Length`
+/// reserves no more than `cap` plus one frame), not collected and then joined.
 pub(super) async fn read_capped(
     mut body: Incoming,
     cap: usize,
-) -> Result<(Vec<Bytes>, usize, Option<Incoming>), hyper::Error> {
-    let mut chunks = Vec::new();
+) -> Result<(Bytes, usize, Option<Incoming>), hyper::Error> {
+    use hyper::body::Body as _;
+    let declared = body.size_hint().exact();
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
     let mut len = 0;
+    let done = |first: Option<Bytes>, buf: BytesMut| first.unwrap_or_else(|| buf.freeze());
     while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame?.into_data() {
-            len += data.len();
-            chunks.push(data);
-            if len > cap {
-                return Ok((chunks, len, Some(body)));
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        len += data.len();
+        if first.is_none() && buf.is_empty() {
+            first = Some(data);
+        } else {
+            if let Some(f) = first.take() {
+                let want = declared
+                    .and_then(|d| usize::try_from(d).ok())
+                    .unwrap_or(0)
+                    .min(cap.saturating_add(1 << 20))
+                    .max(f.len() + data.len());
+                buf.reserve(want);
+                buf.extend_from_slice(&f);
             }
+            buf.extend_from_slice(&data);
+        }
+        if len > cap {
+            return Ok((done(first, buf), len, Some(body)));
         }
     }
-    Ok((chunks, len, None))
-}
-
-/// The chunks read, as one buffer of `len` bytes.
-pub(super) fn concat(chunks: &[Bytes], len: usize) -> Bytes {
-    match chunks {
-        [] => Bytes::new(),
-        [one] => one.clone(),
-        many => {
-            let mut buf = BytesMut::with_capacity(len);
-            for c in many {
-                buf.extend_from_slice(c);
-            }
-            buf.freeze()
-        }
-    }
+    Ok((done(first, buf), len, None))
 }
 
 /// The allowed headers, by lower-case name; repeated fields joined with ", " in order

@@ -52,7 +52,9 @@ fn build_segment(
                 "record over the readers' limit: cut to fit (see its capture_warnings)"
             );
         }
-        writer.append(&record).map_err(std::io::Error::other)?;
+        writer
+            .append_in_place(&mut record)
+            .map_err(std::io::Error::other)?;
         since_yield += prost::Message::encoded_len(&record);
         if since_yield >= 64 << 10 {
             std::thread::yield_now();

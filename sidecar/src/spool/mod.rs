@@ -51,6 +51,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use prost::Message;
+use tapline_proto::encode::Pieces;
 use tapline_proto::{Record, RecordKind};
 
 mod read;
@@ -252,17 +253,21 @@ impl Spool {
                 max: self.max_bytes,
             });
         }
+        // The encoding in pieces: a large call's bodies are written from the buffers
+        // it holds, not copied into a frame buffer first. A small record is framed in
+        // the scratch buffer and written at once.
+        let pieces = Pieces::of(&mut record, false);
+        debug_assert_eq!(pieces.len() as u64, payload_len);
+        let small = frame_len as usize <= SCRATCH_KEEP_BYTES;
         self.scratch.clear();
-        self.scratch.reserve(frame_len as usize);
         self.scratch
             .extend_from_slice(&(payload_len as u32).to_le_bytes());
-        self.scratch.extend_from_slice(&[0; 4]);
-        if let Err(e) = record.encode(&mut self.scratch) {
-            *slot = record.kind.take();
-            return Err(AppendError::Io(io::Error::other(e)));
+        self.scratch
+            .extend_from_slice(&pieces.crc32c().to_le_bytes());
+        if small {
+            // Writing into a Vec cannot fail.
+            let _ = pieces.write_to(&mut self.scratch);
         }
-        let crc = crc32c::crc32c(&self.scratch[FRAME_OVERHEAD as usize..]);
-        self.scratch[4..8].copy_from_slice(&crc.to_le_bytes());
         if self.open.is_none() {
             let path = self.dir.join(file_name(seq, "open"));
             let opened = OpenOptions::new()
@@ -293,7 +298,14 @@ impl Spool {
             });
         }
         let open = self.open.as_mut().expect("opened above");
-        if let Err(e) = open.file.write_all(&self.scratch) {
+        let written = open.file.write_all(&self.scratch).and_then(|()| {
+            if small {
+                Ok(())
+            } else {
+                pieces.write_to(&mut open.file)
+            }
+        });
+        if let Err(e) = written {
             // A partial frame may be on disk: cut it off so the file stays well-formed.
             let _ = open.file.set_len(open.bytes);
             *slot = record.kind.take();

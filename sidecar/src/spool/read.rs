@@ -56,7 +56,6 @@ fn visit_frames(
         Stored::Completed
     };
     let mut good = HEADER.len() as u64;
-    let mut payload = Vec::new();
     loop {
         let mut head = [0u8; 8];
         let mut got = 0;
@@ -78,11 +77,13 @@ fn visit_frames(
         if len > MAX_FRAME {
             return Ok((good, true));
         }
-        payload.resize(len as usize, 0);
+        // Each payload gets its own buffer: the record decodes its bodies as slices of
+        // it (`Bytes`), so a large call is in memory once, not read and then copied.
+        let mut payload = vec![0; len as usize];
         if reader.read_exact(&mut payload).is_err() || crc32c::crc32c(&payload) != crc {
             return Ok((good, true));
         }
-        match Record::decode(payload.as_slice()) {
+        match Record::decode(bytes::Bytes::from(payload)) {
             Ok(record) => each(record, stored)?,
             Err(_) => return Ok((good, true)),
         }
