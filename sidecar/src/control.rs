@@ -658,6 +658,7 @@ fn health(state: &AppState) -> Response<RespBody> {
             "bound_episode": state.episodes.bound(),
             "records_dropped": m.records_dropped.load(Ordering::Relaxed),
             "upload_failures": m.upload_failures.load(Ordering::Relaxed),
+            "spool_files_set_aside": m.spool_files_set_aside.load(Ordering::Relaxed),
             "policy": state.policy.as_ref().map(|p| p.health()),
         }),
     )

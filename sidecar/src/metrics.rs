@@ -74,6 +74,9 @@ pub struct Metrics {
     pub body_errors: AtomicU64,
     /// Calls that could not be recorded at all.
     pub capture_failures: AtomicU64,
+    /// Sealed spool files moved aside because segments could not be built from them
+    /// (unreadable, or the process died building them twice).
+    pub spool_files_set_aside: AtomicU64,
     /// Client connections being served (gauge).
     pub connections_open: AtomicU64,
     /// Client connections turned away by `--max-connections`.
@@ -150,7 +153,7 @@ impl Metrics {
             .iter()
             .map(|o| get(&self.outcomes[*o as usize]))
             .sum();
-        let counters: [(&'static str, &str, u64); 23] = [
+        let counters: [(&'static str, &str, u64); 24] = [
             (
                 "tapline_errors_total",
                 "Proxied calls that did not end ok.",
@@ -245,6 +248,11 @@ impl Metrics {
                 "tapline_capture_failures_total",
                 "Calls that could not be recorded.",
                 get(&self.capture_failures),
+            ),
+            (
+                "tapline_spool_files_set_aside_total",
+                "Sealed spool files moved aside (.corrupt: unreadable; .unbuildable: the sidecar died twice building their segment), so the rest of the spool uploads.",
+                get(&self.spool_files_set_aside),
             ),
             (
                 "tapline_connections_refused_total",

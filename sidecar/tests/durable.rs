@@ -880,3 +880,113 @@ async fn an_idle_episode_is_ended_timed_out_by_the_sidecar() {
     assert_eq!(end.metadata["ended_by"], "tapline-sidecar");
     assert!(end.metadata["reason"].contains("--episode-ttl-secs"));
 }
+
+/// Spool files of `dir` with extension `ext`, sorted.
+fn spool_files(dir: &Path, ext: &str) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == ext))
+        .collect();
+    files.sort();
+    files
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spool_file_whose_build_killed_the_sidecar_twice_is_set_aside_and_the_rest_flows() {
+    let upstream = Upstream::start(|_| {
+        Script::json(r#"{"choices":[{"index":0,"message":{"content":"hi"}}]}"#)
+    })
+    .await;
+    let root = tempfile::tempdir().unwrap();
+    let spool = root.path().join("spool");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    // The store is down: three calls stay in the spool, one sealed file each.
+    let spool2 = spool.clone();
+    let (first, _) = sidecar(&upstream.url(), move |raw| {
+        raw.store = Some(s3_url(port, SECRET));
+        raw.spool_dir = Some(spool2);
+        raw.segment_max_records = Some(1);
+    })
+    .await;
+    let client = client();
+    let mut spans = Vec::new();
+    for i in 0..3 {
+        let (status, headers, _) = send(
+            &client,
+            post(
+                first.local_addr(),
+                "/v1/chat/completions",
+                format!(r#"{{"messages":[{{"role":"user","content":"q{i}"}}]}}"#),
+            ),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        spans.push(headers["x-tapline-span-id"].to_str().unwrap().to_owned());
+    }
+    wait_for(
+        async || spool_files(&spool, "sealed").len() == 3,
+        "three sealed spool files",
+    )
+    .await;
+    first
+        .shutdown(Duration::from_secs(1), Duration::from_millis(200))
+        .await;
+    let sealed = spool_files(&spool, "sealed");
+    assert_eq!(sealed.len(), 3, "nothing could be uploaded");
+    assert!(
+        spool_files(&spool, "building").is_empty(),
+        "a build that ends leaves no note behind"
+    );
+    // As two processes killed while building the second file's segment leave it (and
+    // one killed while building the first: a coincidence, built again).
+    let note = |p: &Path| p.with_extension("building");
+    std::fs::write(note(&sealed[1]), "2\n").unwrap();
+    std::fs::write(note(&sealed[0]), "1\n").unwrap();
+
+    let (_addr, _server) = s3_server(root.path(), port).await;
+    let spool2 = spool.clone();
+    let (second, _) = sidecar(&upstream.url(), move |raw| {
+        raw.store = Some(s3_url(port, SECRET));
+        raw.spool_dir = Some(spool2);
+        raw.segment_max_records = Some(1);
+    })
+    .await;
+    let metrics = second.state().metrics.clone();
+    wait_for(
+        async || metrics.records_stored.load(Ordering::SeqCst) >= 2,
+        "the other two files to upload",
+    )
+    .await;
+    assert_eq!(metrics.spool_files_set_aside.load(Ordering::SeqCst), 1);
+    assert_eq!(metrics.capture_failures.load(Ordering::SeqCst), 1);
+    let (status, _, body) = send(
+        &client,
+        http::Request::get(format!("http://{}/tapline/v1/health", second.local_addr()))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let health: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(health["spool_files_set_aside"], 1, "{health}");
+    second
+        .shutdown(Duration::from_secs(1), Duration::from_secs(5))
+        .await;
+
+    let unbuildable = spool_files(&spool, "unbuildable");
+    assert_eq!(unbuildable.len(), 1);
+    assert_eq!(
+        unbuildable[0].file_stem(),
+        sealed[1].file_stem(),
+        "the second file, kept for an operator"
+    );
+    assert!(spool_files(&spool, "sealed").is_empty());
+    assert!(spool_files(&spool, "building").is_empty());
+    let stored: HashSet<String> = s3_records(port).await.into_iter().map(|r| r.id).collect();
+    let want: HashSet<String> = [spans[0].clone(), spans[2].clone()].into();
+    assert_eq!(stored, want);
+}

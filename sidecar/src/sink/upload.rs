@@ -73,6 +73,10 @@ fn build_segment(
     writer.finish().map_err(std::io::Error::other)
 }
 
+/// Builds of one spool file that may die (the process killed while building it) before
+/// the file is moved aside: one could be a coincidence (a deploy), two are the file.
+const MAX_BUILD_DEATHS: u32 = 2;
+
 /// Errors that retrying will not fix.
 fn is_permanent(error: &object_store::Error) -> bool {
     use object_store::Error as E;
@@ -129,6 +133,36 @@ pub(super) async fn upload_loop(
         if shared.past_deadline() {
             return;
         }
+        // A file whose build killed the process twice (out of memory: one record too
+        // large for the pod) would kill it on every restart: move it aside instead,
+        // so replay always makes progress.
+        let died_building = shared.spool().begin_build(sealed.first_seq);
+        match died_building {
+            Ok(n) if n >= MAX_BUILD_DEATHS => {
+                tracing::error!(
+                    file = %sealed.path.display(),
+                    records = sealed.records,
+                    "the sidecar stopped {n} times while building a segment from this spool file (out of memory?); moved aside as .unbuildable so the rest of the spool uploads; raise the memory limit or lower --capture-cap-bytes, and see the file's records with `tapline-sidecar dump`"
+                );
+                metrics
+                    .capture_failures
+                    .fetch_add(sealed.records, Ordering::Relaxed);
+                metrics
+                    .spool_files_set_aside
+                    .fetch_add(1, Ordering::Relaxed);
+                let mut spool = shared.spool();
+                if let Err(error) = spool.set_aside(sealed.first_seq, "unbuildable") {
+                    tracing::error!(%error, "cannot move the spool file aside");
+                    return;
+                }
+                shared.publish_gauges(&spool);
+                continue;
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%error, "cannot note the segment build beside the spool file");
+            }
+        }
         let path = sealed.path.clone();
         let (level, format) = (options.zstd_level, options.segment_format);
         let build_metrics = shared.metrics.clone();
@@ -136,6 +170,9 @@ pub(super) async fn upload_loop(
             build_segment(&path, level, format, &build_metrics)
         })
         .await;
+        if built.is_ok() {
+            shared.spool().end_build(sealed.first_seq);
+        }
         let (bytes, summary) = match built {
             Ok(Ok(done)) => done,
             Ok(Err(error)) => {
@@ -143,6 +180,9 @@ pub(super) async fn upload_loop(
                 metrics
                     .capture_failures
                     .fetch_add(sealed.records, Ordering::Relaxed);
+                metrics
+                    .spool_files_set_aside
+                    .fetch_add(1, Ordering::Relaxed);
                 let mut spool = shared.spool();
                 if let Err(error) = spool.quarantine(sealed.first_seq) {
                     tracing::error!(%error, "cannot move the damaged spool file aside");

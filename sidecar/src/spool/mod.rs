@@ -385,6 +385,7 @@ impl Spool {
     /// disk). A file that is not deleted is uploaded again after a restart (harmless: the
     /// segment key is the same and uploads are create-only).
     pub fn forget(&mut self, first_seq: u64) -> Option<PathBuf> {
+        self.end_build(first_seq);
         let sealed = self.sealed.remove(&first_seq)?;
         self.bytes = self.bytes.saturating_sub(sealed.bytes);
         self.records = self.records.saturating_sub(sealed.records);
@@ -401,12 +402,39 @@ impl Spool {
 
     /// Moves a sealed file that cannot be read aside (`.corrupt`), so uploads go on.
     pub fn quarantine(&mut self, first_seq: u64) -> io::Result<()> {
+        self.set_aside(first_seq, "corrupt")
+    }
+
+    /// Moves a sealed file aside under the extension `ext` (kept for an operator, never
+    /// read again by the sidecar), so the files after it flow.
+    pub fn set_aside(&mut self, first_seq: u64, ext: &str) -> io::Result<()> {
         if let Some(sealed) = self.sealed.remove(&first_seq) {
-            fs::rename(&sealed.path, self.dir.join(file_name(first_seq, "corrupt")))?;
+            fs::rename(&sealed.path, self.dir.join(file_name(first_seq, ext)))?;
             self.bytes = self.bytes.saturating_sub(sealed.bytes);
             self.records = self.records.saturating_sub(sealed.records);
         }
+        self.end_build(first_seq);
         Ok(())
+    }
+
+    /// Notes that a segment is about to be built from the sealed file `first_seq`, and
+    /// returns how many earlier builds of it began and never ended: each is a process
+    /// that died while building it (an OOM kill, most likely), since a build that
+    /// finishes, or fails, ends with [`Spool::end_build`]. The note is a small file
+    /// beside the spool file (`.building`); the page cache keeps it through a kill.
+    pub fn begin_build(&mut self, first_seq: u64) -> io::Result<u32> {
+        let path = self.dir.join(file_name(first_seq, "building"));
+        let before = fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok())
+            .unwrap_or(0);
+        fs::write(&path, format!("{}\n", before.saturating_add(1)))?;
+        Ok(before)
+    }
+
+    /// Removes the note of [`Spool::begin_build`] (a build ended, well or not).
+    pub fn end_build(&mut self, first_seq: u64) {
+        let _ = fs::remove_file(self.dir.join(file_name(first_seq, "building")));
     }
 
     /// Sealed files in upload order.
@@ -509,6 +537,40 @@ mod tests {
         again.seal().unwrap();
         let mark = fs::read_to_string(dir.path().join("high-water")).unwrap();
         assert_eq!(mark.parse::<u64>().unwrap(), next);
+    }
+
+    #[test]
+    fn build_notes_count_builds_that_never_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+        spool.append("s", 0, &mut Some(reward(0))).unwrap();
+        let first = spool.seal().unwrap().unwrap().first_seq;
+        assert_eq!(spool.begin_build(first).unwrap(), 0);
+        // The process "dies" here twice: each begin without an end is counted.
+        assert_eq!(spool.begin_build(first).unwrap(), 1);
+        assert_eq!(spool.begin_build(first).unwrap(), 2);
+        spool.end_build(first);
+        assert_eq!(
+            spool.begin_build(first).unwrap(),
+            0,
+            "an ended build is forgotten"
+        );
+        // A note whose file is gone (deleted after upload, note left by a kill) is
+        // removed when the spool opens; the note of a file still there is kept.
+        spool.append("s", 0, &mut Some(reward(1))).unwrap();
+        let second = spool.seal().unwrap().unwrap().first_seq;
+        spool.begin_build(second).unwrap();
+        let gone = spool.forget(first).unwrap();
+        fs::remove_file(&gone).unwrap();
+        fs::write(dir.path().join(file_name(first, "building")), "1\n").unwrap();
+        drop(spool);
+        let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+        assert!(!dir.path().join(file_name(first, "building")).exists());
+        assert_eq!(spool.begin_build(second).unwrap(), 1);
+        spool.set_aside(second, "unbuildable").unwrap();
+        assert!(dir.path().join(file_name(second, "unbuildable")).exists());
+        assert!(!dir.path().join(file_name(second, "building")).exists());
+        assert_eq!(spool.records(), 0);
     }
 
     #[test]

@@ -18,15 +18,6 @@ use super::{
 
 /// Reads the frames of a spool file. Returns the records, the offset after the last good
 /// frame, and whether anything followed it (a torn or corrupted tail).
-fn read_frames(path: &Path) -> io::Result<(Vec<Record>, u64, bool)> {
-    let mut records = Vec::new();
-    let (good, damaged) = visit_frames(path, |record, _| {
-        records.push(record);
-        Ok(())
-    })?;
-    Ok((records, good, damaged))
-}
-
 /// Hands each good record of a spool file to `each`, one at a time (a whole file's
 /// records are never in memory together). Returns the offset after the last good frame
 /// and whether anything followed it (a torn or corrupted tail).
@@ -153,9 +144,26 @@ impl Spool {
             };
             match ext {
                 "open" | "sealed" => {}
+                "building" => {
+                    // A build note outlives its file only if the process died between
+                    // deleting the file and the note.
+                    if !dir.join(file_name(first_seq, "sealed")).exists() {
+                        let _ = fs::remove_file(&path);
+                    }
+                    continue;
+                }
                 _ => continue,
             }
-            let (records, good_len, damaged) = read_frames(&path)?;
+            // Counted, not collected: recovery holds one record at a time.
+            let (mut count, mut first_written, mut last_seq) = (0u64, 0i64, 0u64);
+            let (good_len, damaged) = visit_frames(&path, |record, _| {
+                if count == 0 {
+                    first_written = record.written_unix_nanos;
+                }
+                count += 1;
+                last_seq = record.sidecar_seq;
+                Ok(())
+            })?;
             if damaged {
                 // A crash (of the process or the machine, before a background fsync)
                 // cut the file: keep the good frames, cut the rest.
@@ -170,7 +178,7 @@ impl Spool {
                 }
                 file.sync_all()?;
             }
-            if records.is_empty() {
+            if count == 0 {
                 fs::remove_file(&path)?;
                 continue;
             }
@@ -179,15 +187,13 @@ impl Spool {
                 sync_dir(dir)?;
             }
             let bytes = fs::metadata(dir.join(file_name(first_seq, "sealed")))?.len();
-            if let Some(last) = records.last() {
-                max_seq = max_seq.max(last.sidecar_seq);
-            }
+            max_seq = max_seq.max(last_seq);
             let info = Sealed {
                 first_seq,
                 path: dir.join(file_name(first_seq, "sealed")),
-                records: records.len() as u64,
+                records: count,
                 bytes,
-                first_written_unix_nanos: records.first().map_or(0, |r| r.written_unix_nanos),
+                first_written_unix_nanos: first_written,
             };
             spool.bytes += bytes;
             spool.records += info.records;
