@@ -65,6 +65,13 @@ pub struct RawConfig {
     /// through whole and the record keeps a prefix [default: 33554432].
     #[arg(long, env = "TAPLINE_CAPTURE_CAP_BYTES")]
     pub capture_cap_bytes: Option<usize>,
+    /// Bytes of captured bodies all calls in flight and the segment builder may hold at
+    /// once. A call that would go over it is still proxied unchanged; its record keeps
+    /// what fitted and says the capture was cut (`capture_warnings`). Set it below the
+    /// container's memory limit minus about 40 MiB [default: 167772160, for the
+    /// shipped pod's 256Mi].
+    #[arg(long, alias = "memory-budget", env = "TAPLINE_MEMORY_BUDGET_BYTES")]
+    pub memory_budget_bytes: Option<u64>,
     /// Extra header names to record (comma-separated), besides the default allow-list.
     #[arg(long, env = "TAPLINE_RECORD_HEADERS", value_delimiter = ',')]
     pub record_headers: Option<Vec<String>>,
@@ -187,6 +194,8 @@ pub struct Config {
     pub control_token: Option<String>,
     /// Capture cap in bytes.
     pub capture_cap_bytes: usize,
+    /// Memory budget for captured bodies, in bytes.
+    pub memory_budget_bytes: u64,
     /// Lower-case header names to record.
     pub recorded_headers: Vec<String>,
     /// Connect timeout.
@@ -268,6 +277,7 @@ impl RawConfig {
             sidecar_id: self.sidecar_id.or(fallback.sidecar_id),
             control_token: self.control_token.or(fallback.control_token),
             capture_cap_bytes: self.capture_cap_bytes.or(fallback.capture_cap_bytes),
+            memory_budget_bytes: self.memory_budget_bytes.or(fallback.memory_budget_bytes),
             record_headers: self.record_headers.or(fallback.record_headers),
             connect_timeout_secs: self.connect_timeout_secs.or(fallback.connect_timeout_secs),
             response_timeout_secs: self
@@ -344,6 +354,17 @@ impl RawConfig {
         let capture_cap_bytes = self.capture_cap_bytes.unwrap_or(32 << 20);
         if capture_cap_bytes == 0 {
             return Err(bad("capture-cap-bytes", "must be at least 1"));
+        }
+        let memory_budget_bytes = self
+            .memory_budget_bytes
+            .unwrap_or(crate::budget::DEFAULT_BYTES);
+        if memory_budget_bytes < 1 << 20 {
+            return Err(bad(
+                "memory-budget-bytes",
+                format!(
+                    "{memory_budget_bytes} is below 1048576 (1 MiB): most calls' captures would be cut; give the sidecar more memory and set it to that limit minus about 40 MiB"
+                ),
+            ));
         }
         let mut recorded_headers: Vec<String> = DEFAULT_RECORDED_HEADERS
             .iter()
@@ -465,6 +486,7 @@ impl RawConfig {
             sidecar_id,
             control_token: self.control_token,
             capture_cap_bytes,
+            memory_budget_bytes,
             recorded_headers,
             connect_timeout: secs("connect-timeout-secs", self.connect_timeout_secs, 10.0)?,
             response_timeout: secs("response-timeout-secs", self.response_timeout_secs, 600.0)?,

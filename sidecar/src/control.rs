@@ -659,6 +659,7 @@ fn health(state: &AppState) -> Response<RespBody> {
             "records_dropped": m.records_dropped.load(Ordering::Relaxed),
             "upload_failures": m.upload_failures.load(Ordering::Relaxed),
             "spool_files_set_aside": m.spool_files_set_aside.load(Ordering::Relaxed),
+            "memory_budget": state.budget.health(),
             "policy": state.policy.as_ref().map(|p| p.health()),
         }),
     )

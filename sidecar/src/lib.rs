@@ -13,6 +13,7 @@
 //!   and the watch for a stream's last event.
 //! - [`json`]: a JSON tree that borrows its strings from the input.
 //! - [`rebuild`]: completions, usage and token ids rebuilt from a response body or stream.
+//! - [`budget`]: the memory budget captures and the segment builder reserve against.
 //! - [`limits`]: what keeps every record within the readers' limits, and how it is cut.
 //! - [`sink`]: the [`sink::RecordSink`] interface, the spool writer and the uploader.
 //! - [`spool`]: the local spool (append-only, checksummed files) and its recovery.
@@ -21,6 +22,7 @@
 //! - [`dump`]: prints every record of a store as JSON lines (`tapline-sidecar dump`).
 
 pub mod body;
+pub mod budget;
 pub mod clock;
 pub mod config;
 pub mod control;

@@ -55,6 +55,7 @@ pub async fn handle(
         state
             .metrics
             .expose(state.episodes.open_count(), &mut exposition);
+        state.budget.expose(&mut exposition);
         if let Some(policy) = &state.policy {
             policy.expose(&mut exposition);
         }
@@ -90,6 +91,7 @@ impl Sidecar {
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
         let addr = listener.local_addr()?;
         let metrics = Arc::new(Metrics::default());
+        let budget = crate::budget::MemoryBudget::new(config.memory_budget_bytes);
         let (recorder, _recovery) = Recorder::start(
             store.clone(),
             RecorderOptions {
@@ -104,6 +106,7 @@ impl Sidecar {
                 zstd_level: config.zstd_level,
                 segment_format: config.segment_format,
                 queue_capacity: 65_536,
+                memory_budget: budget.clone(),
             },
             metrics.clone(),
         )
@@ -153,6 +156,7 @@ impl Sidecar {
             ack_wait,
             episodes,
             metrics,
+            budget,
             policy,
             config,
         });

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::budget::MemoryBudget;
 use crate::config::Config;
 use crate::episodes::Episodes;
 use crate::metrics::Metrics;
@@ -33,6 +34,9 @@ pub struct AppState {
     pub episodes: Episodes,
     /// Counters.
     pub metrics: Arc<Metrics>,
+    /// What captures may hold in total (`--memory-budget-bytes`), shared with the
+    /// segment builder.
+    pub budget: Arc<MemoryBudget>,
     /// The policy followed (`--policy`), if any.
     pub policy: Option<Arc<PolicyFollower>>,
 }

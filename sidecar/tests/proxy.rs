@@ -1115,3 +1115,176 @@ async fn episode_ids_follow_one_rule_in_path_header_and_control_api() {
         .shutdown(Duration::from_secs(1), Duration::from_secs(1))
         .await;
 }
+
+/// `--memory-budget-bytes`: calls over what the others leave of the budget are proxied
+/// unchanged and recorded cut and flagged; the budget is given back once records are
+/// spooled.
+#[tokio::test]
+async fn calls_over_the_memory_budget_pass_unchanged_and_are_recorded_cut() {
+    let gate = Arc::new(Notify::new());
+    let event = |i: usize| {
+        Bytes::from(format!(
+            "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}},\"finish_reason\":null}}]}}\n\n",
+            char::from(b'a' + (i % 26) as u8)
+                .to_string()
+                .repeat(64 << 10)
+        ))
+    };
+    // 24 events of 64 KiB: 1.5 MiB, more than the whole budget.
+    let stream: Vec<Bytes> = (0..24).map(event).collect();
+    let whole: Bytes = stream.concat().into();
+    let g = gate.clone();
+    let s = stream.clone();
+    let upstream = Upstream::start(move |r| {
+        if r.body.starts_with(b"{\"model\":\"m\",\"held\"") {
+            Script {
+                gate: Some((1, g.clone())),
+                ..Script::sse(s.clone())
+            }
+        } else if r.body.starts_with(b"{\"model\":\"m\",\"stream\"") {
+            Script::sse(s.clone())
+        } else {
+            Script::json(CHAT_JSON)
+        }
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.memory_budget_bytes = Some(1 << 20);
+    })
+    .await;
+    let addr = sidecar.local_addr();
+    let request = |kind: &str, pad: usize| {
+        format!(
+            "{{\"model\":\"m\",\"{kind}\":true,\"pad\":\"{}\",\"messages\":[]}}",
+            "p".repeat(pad)
+        )
+    };
+
+    // One call holds 600 KB of the 1 MiB budget while its answer waits at the gate...
+    let held_request = request("held", 600_000);
+    let c = client();
+    let first = tokio::spawn({
+        let held_request = held_request.clone();
+        async move { send(&c, post(addr, "/v1/chat/completions", held_request)).await }
+    });
+    while upstream.count() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...so a second one of 600 KB does not fit: forwarded whole, not captured.
+    let cut_request = request("cut", 600_000);
+    let (status, _, body) = send(
+        &client(),
+        post(addr, "/v1/chat/completions", cut_request.clone()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, CHAT_JSON.as_bytes());
+    assert_eq!(upstream.last().body, cut_request.as_bytes());
+    gate.notify_one();
+    let (status, _, body) = first.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, whole, "the first call's answer arrives unchanged");
+    // Their segment built: the builder, which waits for the budget and is served before
+    // calls, holds nothing now.
+    calls(&store, 2).await;
+
+    // A 1.5 MiB answer: captured up to what the budget holds, then cut.
+    let (status, _, body) = send(
+        &client(),
+        post(addr, "/v1/chat/completions", request("stream", 10)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, whole);
+    calls(&store, 3).await;
+    // With the others spooled the budget is free again: a normal call is whole.
+    let (status, _, _) = send(
+        &client(),
+        post(addr, "/v1/chat/completions", request("normal", 11)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+
+    let calls = calls(&store, 4).await;
+    // Each call is known by its request's length.
+    let find = |request: &str| {
+        calls
+            .iter()
+            .find(|c| c.request_body_size == request.len() as u64)
+            .unwrap_or_else(|| panic!("no call of {} bytes in {calls:?}", request.len()))
+    };
+    let budget_warnings = |c: &tapline_proto::LlmCall| {
+        c.capture_warnings
+            .iter()
+            .filter(|w| w.starts_with("memory_budget: "))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let held = find(&held_request);
+    assert_eq!(held.request_body, held_request.as_bytes());
+    assert!(!held.request_truncated);
+    // Its answer did not fit beside its own request: cut, flagged, the prefix kept.
+    assert!(held.response_truncated);
+    assert_eq!(held.response_body_size, whole.len() as u64);
+    assert!(!held.response_body.is_empty() && whole.starts_with(&held.response_body));
+    assert_eq!(
+        budget_warnings(held).len(),
+        1,
+        "{:?}",
+        held.capture_warnings
+    );
+
+    let cut = find(&cut_request);
+    assert!(cut.request_truncated && cut.request_body.is_empty());
+    assert_eq!(cut.request_body_size, cut_request.len() as u64);
+    assert_eq!(
+        cut.response_body,
+        CHAT_JSON.as_bytes(),
+        "its small answer still fitted"
+    );
+    assert_eq!(cut.outcome(), Outcome::Ok);
+    let w = budget_warnings(cut);
+    assert!(
+        w.len() == 1 && w[0].contains("request not captured"),
+        "{w:?}"
+    );
+
+    let streamed = find(&request("stream", 10));
+    assert!(streamed.response_truncated);
+    assert!(streamed.response_body.len() <= 1 << 20 && streamed.response_body.len() >= 512 << 10);
+    assert!(whole.starts_with(&streamed.response_body));
+    let w = budget_warnings(streamed);
+    assert!(
+        w.len() == 1 && w[0].contains("response capture cut at"),
+        "{w:?}"
+    );
+    // The rebuilt completion is the prefix's text.
+    assert!(streamed.completions[0].text.len() >= 7 * (64 << 10));
+
+    let normal = find(&request("normal", 11));
+    assert!(
+        budget_warnings(normal).is_empty(),
+        "{:?}",
+        normal.capture_warnings
+    );
+    assert!(!normal.request_truncated && !normal.response_truncated);
+
+    let get = |path: &str| {
+        http::Request::get(format!("http://{addr}{path}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let health: Value =
+        serde_json::from_slice(&send(&client(), get("/tapline/v1/health")).await.2).unwrap();
+    assert_eq!(health["memory_budget"]["limit_bytes"], 1 << 20);
+    assert_eq!(health["memory_budget"]["cut_calls"], 3, "{health}");
+    assert_eq!(health["memory_budget"]["used_bytes"], 0, "{health}");
+    let metrics = String::from_utf8(send(&client(), get("/metrics")).await.2.to_vec()).unwrap();
+    assert!(
+        metrics.contains("tapline_memory_budget_cuts_total 3"),
+        "{metrics}"
+    );
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}

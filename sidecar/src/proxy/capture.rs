@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tapline_proto::{LlmCall, Outcome, RecordKind};
 
+use crate::budget::Reservation;
 use crate::clock::now_nanos;
 use crate::episodes::Attribution;
 use crate::rebuild;
@@ -29,6 +30,13 @@ pub(super) struct Capture {
     /// Request body bytes forwarded so far, when the body was longer than the cap and
     /// streamed through.
     request_size: Option<Arc<AtomicU64>>,
+    /// What the call holds against the memory budget: its request (as reserved when it
+    /// was read) and `body`'s capacity; given back once the record is spooled.
+    held: Reservation,
+    /// What `held` was for the request, before any response byte.
+    request_held: u64,
+    /// The budget refused more of the response: `body` stops growing.
+    budget_cut: bool,
 }
 
 /// Records the call as aborted by the client if the proxy future is dropped (the client
@@ -68,6 +76,7 @@ impl Capture {
         state: Arc<AppState>,
         call: LlmCall,
         request_size: Option<Arc<AtomicU64>>,
+        held: Reservation,
     ) -> Self {
         Capture {
             state,
@@ -75,6 +84,9 @@ impl Capture {
             body: Vec::new(),
             body_size: 0,
             request_size,
+            request_held: held.bytes(),
+            held,
+            budget_cut: false,
         }
     }
 
@@ -85,8 +97,49 @@ impl Capture {
         }
         self.body_size += data.len() as u64;
         let cap = self.state.config.capture_cap_bytes;
-        if self.body.len() < cap {
-            let take = data.len().min(cap - self.body.len());
+        if self.body.len() < cap && !self.budget_cut {
+            let mut take = data.len().min(cap - self.body.len());
+            let needed = self.body.len() + take;
+            if needed > self.body.capacity() {
+                // Grow as a Vec would (doubling, from 8 KiB, never past the cap), with
+                // the new capacity reserved against the budget first; when the budget
+                // is short, keep the part of this frame that fits and stop there.
+                let grown = needed
+                    .max(self.body.capacity().saturating_mul(2))
+                    .max(8 << 10)
+                    .min(cap);
+                let base = self.request_held;
+                let capacity = if self.held.try_grow_to(base + grown as u64) {
+                    grown
+                } else {
+                    let held = self.held.grow_up_to(base + needed as u64);
+                    usize::try_from(held.saturating_sub(base))
+                        .unwrap_or(usize::MAX)
+                        .min(needed)
+                };
+                self.body
+                    .reserve_exact(capacity.saturating_sub(self.body.len()));
+                if capacity < needed {
+                    take = capacity.saturating_sub(self.body.len());
+                    self.body.extend_from_slice(&data[..take]);
+                    self.budget_cut = true;
+                    // Counted once a call (its request may have been cut too).
+                    if !self
+                        .call
+                        .capture_warnings
+                        .iter()
+                        .any(|w| w.starts_with("memory_budget: "))
+                    {
+                        self.state.budget.count_cut();
+                    }
+                    let warning = super::budget_warning(
+                        &self.state,
+                        &format!("response capture cut at {} bytes", self.body.len()),
+                    );
+                    self.call.capture_warnings.push(warning);
+                    return;
+                }
+            }
             self.body.extend_from_slice(&data[..take]);
         }
     }
@@ -140,8 +193,11 @@ impl Capture {
         let episode_id = call.episode_id.clone();
         let ack = self.state.sink.submit(RecordKind::LlmCall(self.call));
         let state = self.state;
+        let held = self.held;
         Box::pin(async move {
             let result = ack.await;
+            // In the spool (or dropped): the call's bodies are freed.
+            drop(held);
             if result.is_err() {
                 state
                     .metrics

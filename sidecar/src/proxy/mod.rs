@@ -66,6 +66,15 @@ use stream::{CaptureBody, terminal_event};
 /// Header that carries the span id of a proxied call back to the client.
 pub const SPAN_ID_HEADER: &str = "x-tapline-span-id";
 
+/// The capture warning of a call the memory budget cut.
+pub(super) fn budget_warning(state: &AppState, what: &str) -> String {
+    format!(
+        "memory_budget: {what}: {} of the {} bytes of --memory-budget-bytes were held by calls in flight and the segment builder",
+        state.budget.used(),
+        state.budget.limit()
+    )
+}
+
 /// Proxies one request.
 pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBody> {
     let started = Instant::now();
@@ -119,8 +128,15 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     let span_id = uuid::Uuid::now_v7().to_string();
 
     let cap = state.config.capture_cap_bytes;
-    let (request_bytes, read_len, remainder) = match read_capped(body, cap).await {
-        Ok(read) => read,
+    // What the call holds counts against the memory budget: the request, and each
+    // rewritten copy of it (--policy routing, token fidelity) while it is forwarded.
+    let copies = 1
+        + u64::from(state.policy.is_some())
+        + u64::from(state.config.upstream_kind != crate::config::UpstreamKind::Openai);
+    let mut held = state.budget.empty();
+    let read = read_capped(body, cap, &mut |len| held.try_grow_to(copies * len as u64)).await;
+    let (request_bytes, read_len, remainder, over_budget) = match read {
+        Ok(read) => (read.bytes, read.len, read.rest, read.over_budget),
         Err(error) => {
             // The client went away while sending its request: nothing to forward.
             let call = LlmCall {
@@ -148,12 +164,38 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         .metrics
         .request_bytes
         .fetch_add(read_len as u64, Ordering::Relaxed);
-    let captured_request = request_bytes.slice(..read_len.min(cap));
+    let captured_request = if over_budget {
+        state.budget.count_cut();
+        Bytes::new()
+    } else {
+        request_bytes.slice(..read_len.min(cap))
+    };
     let request_model = if remainder.is_none() {
         request_model(&request_bytes)
     } else {
         String::new()
     };
+    if over_budget
+        && let Some(policy) = &state.policy
+        && let Some(current) = policy.current()
+    {
+        // As for a body over the cap: its model cannot be read without holding it.
+        let mut refused = api_error(
+            api,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "memory_budget_full",
+            &format!(
+                "tapline: the sidecar's memory budget ({} bytes, --memory-budget-bytes) is held by other calls, so it cannot read this request's model and route it to policy {} (now {}); retry, or raise --memory-budget-bytes with the container's memory limit",
+                state.budget.limit(),
+                policy.config().name,
+                current.served_model
+            ),
+        );
+        refused
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return refused;
+    }
     if remainder.is_some()
         && let Some(policy) = &state.policy
         && let Some(current) = policy.current()
@@ -254,21 +296,25 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         }
     };
 
-    let call = LlmCall {
+    let mut call = LlmCall {
         span_id: span_id.clone(),
         api: api as i32,
         method: parts.method.to_string(),
         path: path_and_query.clone(),
         start_unix_nanos: start_nanos,
         request_body: captured_request,
-        request_truncated: read_len > cap,
+        request_truncated: read_len > cap || over_budget,
         request_body_size: read_len as u64,
         request_headers: recorded_headers(&headers, &state.config.recorded_headers),
         request_model,
         token_fields_injected: injected.any(),
         ..attributed(&attribution, &state.config.sidecar_id)
     };
-    let mut guard = CallGuard::new(Capture::new(state.clone(), call, request_size));
+    if over_budget {
+        call.capture_warnings
+            .push(budget_warning(&state, "request not captured"));
+    }
+    let mut guard = CallGuard::new(Capture::new(state.clone(), call, request_size, held));
 
     // The request goes out in origin form (path and query); the pool adds `Host`.
     let uri = match format!("{}{}", state.upstream_base, path_and_query)

@@ -68,9 +68,23 @@ pub fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Res
     resp
 }
 
-/// Reads up to `cap` bytes of a request body into one buffer. Returns the bytes read
-/// (at least `cap + 1` of them when the body is longer) and, then, the unread
-/// remainder.
+/// What [`read_capped`] read of a request body.
+pub(super) struct ReadBody {
+    /// The bytes read: all of the body, or (with `rest`) its head.
+    pub(super) bytes: Bytes,
+    /// How many.
+    pub(super) len: usize,
+    /// The unread remainder: the body is longer than the cap, or the memory budget
+    /// refused to hold more of it.
+    pub(super) rest: Option<Incoming>,
+    /// The memory budget refused: `bytes` are forwarded, not captured.
+    pub(super) over_budget: bool,
+}
+
+/// Reads up to `cap` bytes of a request body into one buffer, asking `admit` before
+/// holding each total length (the declared one first). Returns the bytes read (at
+/// least `cap + 1` of them when the body is longer) and, then, the unread remainder;
+/// when `admit` refuses, what was read so far and the remainder.
 ///
 /// The body is held once: a single frame is kept as it came, several are copied into
 /// one buffer sized from the declared length (capped, so a false `Content-Length`
@@ -78,9 +92,20 @@ pub fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Res
 pub(super) async fn read_capped(
     mut body: Incoming,
     cap: usize,
-) -> Result<(Bytes, usize, Option<Incoming>), hyper::Error> {
+    admit: &mut (dyn FnMut(usize) -> bool + Send),
+) -> Result<ReadBody, hyper::Error> {
     use hyper::body::Body as _;
     let declared = body.size_hint().exact();
+    if let Some(declared) = declared
+        && !admit(usize::try_from(declared).unwrap_or(usize::MAX).min(cap))
+    {
+        return Ok(ReadBody {
+            bytes: Bytes::new(),
+            len: 0,
+            rest: Some(body),
+            over_budget: true,
+        });
+    }
     let mut first: Option<Bytes> = None;
     let mut buf = BytesMut::new();
     let mut len = 0;
@@ -107,11 +132,29 @@ pub(super) async fn read_capped(
             }
             buf.extend_from_slice(&data);
         }
+        if !admit(len) {
+            return Ok(ReadBody {
+                bytes: done(first, buf),
+                len,
+                rest: Some(body),
+                over_budget: true,
+            });
+        }
         if len > cap {
-            return Ok((done(first, buf), len, Some(body)));
+            return Ok(ReadBody {
+                bytes: done(first, buf),
+                len,
+                rest: Some(body),
+                over_budget: false,
+            });
         }
     }
-    Ok((done(first, buf), len, None))
+    Ok(ReadBody {
+        bytes: done(first, buf),
+        len,
+        rest: None,
+        over_budget: false,
+    })
 }
 
 /// The allowed headers, by lower-case name; repeated fields joined with ", " in order

@@ -112,6 +112,13 @@ pub struct Completed {
 /// always completes the same way. The response body is decoded by the recorded
 /// `content-encoding` header (always on the allow-list).
 pub fn complete(call: &mut LlmCall) -> Completed {
+    complete_within(call, &mut |_| true)
+}
+
+/// [`complete`], asking `room` before a content-encoded body decodes past each size
+/// (the decoded bytes so far); a `false` stops the decoding with a warning, as a body
+/// over [`MAX_DECODED_BYTES`] does. The segment builder passes its memory budget here.
+pub fn complete_within(call: &mut LlmCall, room: &mut dyn FnMut(usize) -> bool) -> Completed {
     let api = call.api();
     let transport_ok = call.outcome() == Outcome::Ok;
     let mut body_error = false;
@@ -120,7 +127,7 @@ pub fn complete(call: &mut LlmCall) -> Completed {
             .response_headers
             .get("content-encoding")
             .map(String::as_str);
-        match decode_content(encoding, &call.response_body) {
+        match decode_content_within(encoding, &call.response_body, room) {
             Ok(decoded) => {
                 let rebuilt = rebuild(api, call.streamed, &decoded);
                 call.completions = rebuilt.completions;
@@ -188,6 +195,15 @@ pub const MAX_DECODED_BYTES: usize = 128 << 20;
 /// `Err` with a message). Accepts a truncated stream by returning what decoded (`Ok`) —
 /// callers flag truncation. Corrupt data is an `Err`.
 pub fn decode_content<'a>(encoding: Option<&str>, body: &'a [u8]) -> Result<Cow<'a, [u8]>, String> {
+    decode_content_within(encoding, body, &mut |_| true)
+}
+
+/// [`decode_content`], asking `room` for each size the decoded body grows to.
+fn decode_content_within<'a>(
+    encoding: Option<&str>,
+    body: &'a [u8],
+    room: &mut dyn FnMut(usize) -> bool,
+) -> Result<Cow<'a, [u8]>, String> {
     let mut data = Cow::Borrowed(body);
     let Some(encoding) = encoding else {
         return Ok(data);
@@ -199,27 +215,31 @@ pub fn decode_content<'a>(encoding: Option<&str>, body: &'a [u8]) -> Result<Cow<
         .collect();
     // Codings are listed in the order they were applied: undo them from the last.
     for coding in codings.iter().rev() {
-        let decoded = decode_one(coding, &data)?;
+        let decoded = decode_one(coding, &data, room)?;
         data = Cow::Owned(decoded);
     }
     Ok(data)
 }
 
-fn decode_one(coding: &str, body: &[u8]) -> Result<Vec<u8>, String> {
+fn decode_one(
+    coding: &str,
+    body: &[u8],
+    room: &mut dyn FnMut(usize) -> bool,
+) -> Result<Vec<u8>, String> {
     match coding {
-        "gzip" | "x-gzip" => read_lenient(flate2::read::MultiGzDecoder::new(body), coding),
+        "gzip" | "x-gzip" => read_lenient(flate2::read::MultiGzDecoder::new(body), coding, room),
         "deflate" => {
             // HTTP `deflate` is zlib-wrapped, but some servers send raw deflate.
             if looks_like_zlib(body) {
-                read_lenient(flate2::read::ZlibDecoder::new(body), coding)
+                read_lenient(flate2::read::ZlibDecoder::new(body), coding, room)
             } else {
-                read_lenient(flate2::read::DeflateDecoder::new(body), coding)
+                read_lenient(flate2::read::DeflateDecoder::new(body), coding, room)
             }
         }
         "zstd" => {
             let decoder = zstd::stream::read::Decoder::new(body)
                 .map_err(|e| format!("content-encoding zstd: {e}"))?;
-            read_lenient(decoder, coding)
+            read_lenient(decoder, coding, room)
         }
         other => Err(format!("unsupported content-encoding {other:?}")),
     }
@@ -233,7 +253,11 @@ fn looks_like_zlib(body: &[u8]) -> bool {
 }
 
 /// Reads a decoder to its end; a premature end of input (truncation) keeps what decoded.
-fn read_lenient(mut reader: impl Read, coding: &str) -> Result<Vec<u8>, String> {
+fn read_lenient(
+    mut reader: impl Read,
+    coding: &str,
+    room: &mut dyn FnMut(usize) -> bool,
+) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
     let mut buf = vec![0u8; 32 * 1024];
     loop {
@@ -244,6 +268,12 @@ fn read_lenient(mut reader: impl Read, coding: &str) -> Result<Vec<u8>, String> 
                 if out.len() > MAX_DECODED_BYTES {
                     return Err(format!(
                         "content-encoding {coding}: decoded body exceeds {MAX_DECODED_BYTES} bytes"
+                    ));
+                }
+                if !room(out.len()) {
+                    return Err(format!(
+                        "content-encoding {coding}: decoding past {} bytes would exceed the sidecar's memory budget (--memory-budget-bytes); the raw body is kept",
+                        out.len()
                     ));
                 }
             }

@@ -127,6 +127,9 @@ pub struct RecorderOptions {
     /// Records that may wait in memory for the spool writer (policy `block`). The queue
     /// grows to this on demand; nothing is allocated up front.
     pub queue_capacity: usize,
+    /// The budget the segment builder reserves against, per record (shared with the
+    /// proxy's captures).
+    pub memory_budget: std::sync::Arc<crate::budget::MemoryBudget>,
 }
 
 enum Msg {
@@ -538,6 +541,7 @@ mod tests {
             zstd_level: 3,
             segment_format: tapline_proto::segment::VERSION,
             queue_capacity: 16,
+            memory_budget: crate::budget::MemoryBudget::new(crate::budget::DEFAULT_BYTES),
         };
         let metrics = Arc::new(Metrics::default());
         let (recorder, _) = Recorder::start(store, options, metrics.clone()).unwrap();

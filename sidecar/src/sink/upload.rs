@@ -15,6 +15,7 @@ use tapline_proto::segment::SegmentWriter;
 use tapline_proto::store::StoreLocation;
 
 use super::{RecorderOptions, Shared};
+use crate::budget::MemoryBudget;
 use crate::clock::now_nanos;
 use crate::metrics::Metrics;
 use crate::rebuild;
@@ -25,21 +26,46 @@ use crate::spool::{Stored, delete_file, for_each_sealed};
 /// the sidecar's biggest burst of CPU (tens of milliseconds per 8 MiB); it yields the
 /// core every 64 KiB so that the threads serving traffic, which share the machine's few
 /// cores, are not held up for a whole scheduler time slice.
+///
+/// Each record is built under a reservation of the memory budget (see
+/// [`rebuild_estimate`]), waited for, so the builder and the calls in flight together
+/// stay within `--memory-budget-bytes`.
 fn build_segment(
     path: &std::path::Path,
     level: i32,
     format: u8,
     metrics: &Metrics,
+    budget: &Arc<MemoryBudget>,
 ) -> std::io::Result<(Vec<u8>, tapline_proto::segment::SegmentSummary)> {
     let mut writer =
         SegmentWriter::with_version(Vec::new(), level, format).map_err(std::io::Error::other)?;
     let mut since_yield = 0usize;
     let (mut warned, mut body_errors) = (0u64, 0u64);
+    let mut held = budget.empty();
     for_each_sealed(path, |mut record, stored| {
+        let estimate = match &record.kind {
+            Some(RecordKind::LlmCall(call)) => rebuild_estimate(call),
+            _ => 0,
+        };
+        held.shrink_to(estimate);
+        held.grow_to_waiting(estimate);
         if stored == Stored::AsCaptured
             && let Some(RecordKind::LlmCall(call)) = &mut record.kind
         {
-            let done = rebuild::complete(call);
+            // A content-encoded body decodes under the budget too: each decoded byte
+            // costs about as much again to rebuild.
+            let mut room = |decoded: usize| {
+                let need = estimate.saturating_add(REBUILD_FACTOR * decoded as u64);
+                if need <= held.bytes() {
+                    return true;
+                }
+                if need > budget.limit() {
+                    return false;
+                }
+                held.grow_to_waiting(need.max(held.bytes() + held.bytes() / 2));
+                true
+            };
+            let done = rebuild::complete_within(call, &mut room);
             warned += u64::from(done.warned);
             body_errors += u64::from(done.body_error);
         }
@@ -71,6 +97,21 @@ fn build_segment(
         .body_errors
         .fetch_add(body_errors, Ordering::Relaxed);
     writer.finish().map_err(std::io::Error::other)
+}
+
+/// Bytes a record's build holds, per byte of its bodies, at most: the decoded frame,
+/// the rebuilt completion text and the rebuild's parse state (measured: 2.7× for a
+/// 50 MB call, 4.1× for 500,000 one-character SSE events; BENCHMARKS.md, "Sidecar:
+/// memory per call").
+const REBUILD_FACTOR: u64 = 4;
+
+/// What building `call`'s record into a segment is budgeted at, before a
+/// content-encoded body decodes: [`REBUILD_FACTOR`] per byte of its bodies, plus
+/// 64 KiB for its parse state. (The compressor's window is the builder's whatever the
+/// record: part of the sidecar's own memory, outside the budget.)
+fn rebuild_estimate(call: &tapline_proto::LlmCall) -> u64 {
+    let bodies = (call.request_body.len() + call.response_body.len()) as u64;
+    REBUILD_FACTOR * bodies + (64 << 10)
 }
 
 /// Builds of one spool file that may die (the process killed while building it) before
@@ -166,8 +207,9 @@ pub(super) async fn upload_loop(
         let path = sealed.path.clone();
         let (level, format) = (options.zstd_level, options.segment_format);
         let build_metrics = shared.metrics.clone();
+        let budget = options.memory_budget.clone();
         let built = tokio::task::spawn_blocking(move || {
-            build_segment(&path, level, format, &build_metrics)
+            build_segment(&path, level, format, &build_metrics, &budget)
         })
         .await;
         if built.is_ok() {
@@ -290,8 +332,14 @@ mod tests {
     use tapline_proto::{LlmCall, Outcome};
 
     fn built_calls(path: &std::path::Path, metrics: &Metrics) -> Vec<LlmCall> {
-        let (bytes, summary) =
-            build_segment(path, 3, tapline_proto::segment::VERSION, metrics).unwrap();
+        let (bytes, summary) = build_segment(
+            path,
+            3,
+            tapline_proto::segment::VERSION,
+            metrics,
+            &MemoryBudget::new(crate::budget::DEFAULT_BYTES),
+        )
+        .unwrap();
         assert_eq!(summary.records, 1);
         decode_segment(&bytes, Limits::default())
             .unwrap()
@@ -386,7 +434,14 @@ mod tests {
                     .to_vec(),
             ),
         ] {
-            let (bytes, _) = build_segment(&sealed.path, 3, format, &Metrics::default()).unwrap();
+            let (bytes, _) = build_segment(
+                &sealed.path,
+                3,
+                format,
+                &Metrics::default(),
+                &MemoryBudget::new(crate::budget::DEFAULT_BYTES),
+            )
+            .unwrap();
             assert_eq!(&bytes[..4], &start[..]);
             let reader =
                 tapline_proto::segment::SegmentReader::new(&bytes[..], Limits::default()).unwrap();
