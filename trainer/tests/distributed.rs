@@ -120,6 +120,12 @@ fn max_diff(a: &Path, b: &Path) -> f64 {
 
 /// [`max_diff`] over the tensors whose name passes `keep`.
 fn max_diff_of(a: &Path, b: &Path, keep: impl Fn(&str) -> bool) -> f64 {
+    diff_of(a, b, keep, f64::INFINITY).0
+}
+
+/// Largest |a − b| over the tensors whose name passes `keep`, and the fraction of
+/// their elements with |a − b| above `over`.
+fn diff_of(a: &Path, b: &Path, keep: impl Fn(&str) -> bool, over: f64) -> (f64, f64) {
     let (a, b) = (
         Checkpoint::open_file(a).unwrap(),
         Checkpoint::open_file(b).unwrap(),
@@ -132,17 +138,19 @@ fn max_diff_of(a: &Path, b: &Path, keep: impl Fn(&str) -> bool) -> f64 {
         n
     };
     assert_eq!(names, theirs);
-    let mut worst = 0.0f64;
+    let (mut worst, mut above, mut elements) = (0.0f64, 0i64, 0i64);
     for name in names.into_iter().filter(|n| keep(n)) {
         let shape = a.shape(&name).unwrap().to_vec();
         let load = |c: &Checkpoint| {
             c.load(&name, &shape, tch::Kind::Float, tch::Device::Cpu)
                 .unwrap()
         };
-        let d = (load(&a) - load(&b)).abs().max().double_value(&[]);
-        worst = worst.max(d);
+        let d = (load(&a) - load(&b)).abs();
+        worst = worst.max(d.max().double_value(&[]));
+        above += d.gt(over).sum(tch::Kind::Int64).int64_value(&[]);
+        elements += d.numel() as i64;
     }
-    worst
+    (worst, above as f64 / elements.max(1) as f64)
 }
 
 async fn store_with(batches: &[&str]) -> (tempfile::TempDir, String) {
@@ -217,22 +225,45 @@ async fn two_ranks_give_the_checkpoint_of_one_process() {
             assert!(moved > 5e-5, "{name}: the run changed nothing ({moved})");
         }
         // The optimizer state, gathered into the single-process format.
-        // (With bf16 weights the gradients themselves are bf16, summed in another order:
-        // the moments differ by bf16 rounding; the fp32 masters by under a third of
-        // the 3e-4 that three steps at lr 1e-4 can move a weight. How far depends on
-        // the CPU's kernels: 5.02e-5 on an Intel machine with AMX, under 5e-5 elsewhere.)
-        let s = max_diff_of(
-            &one.join("optimizer.safetensors"),
-            &two.join("optimizer.safetensors"),
-            |n| name != "bf16" || n.ends_with(".master"),
-        );
-        let state_tolerance = if name == "bf16" { 1e-4 } else { 1e-5 };
+        let state = |keep: &dyn Fn(&str) -> bool, over| {
+            diff_of(
+                &one.join("optimizer.safetensors"),
+                &two.join("optimizer.safetensors"),
+                keep,
+                over,
+            )
+        };
         // bf16 forward passes after the first step run on weights a rounding apart.
         let metric_tolerance = if name == "bf16" { 1e-2 } else { 1e-4 };
-        assert!(
-            s <= state_tolerance,
-            "{name}: optimizer state differs by {s}"
-        );
+        if name == "bf16" {
+            // With bf16 weights the gradients themselves are bf16, summed in another
+            // order: an element whose gradient is near zero can take Adam's step
+            // (about lr) the other way, so one master may end up to 2·lr·steps away
+            // (6e-4 here; 5.0e-5 on an Intel machine with AMX, 1.3e-4 on an AMD
+            // EPYC). A rank that skipped or misplaced its shard moves half the
+            // elements by up to lr·steps: the check is on how many elements differ
+            // by more than a tenth of one step, not on the worst one.
+            let steps = read_json(&one.join("manifest.json"))["steps"]
+                .as_array()
+                .map_or(0, Vec::len) as f64;
+            let (worst, above) = state(&|n| n.ends_with(".master"), 1e-5);
+            println!(
+                "bf16: fp32 masters max |Δ| {worst:.2e}, {:.3}% of elements over 1e-5",
+                above * 100.0
+            );
+            assert!(
+                worst <= 2.0 * 1e-4 * steps,
+                "bf16: a master differs by {worst}: more than two Adam steps' worth per step"
+            );
+            assert!(
+                above <= 0.01,
+                "bf16: {:.2}% of the fp32 masters differ by more than 1e-5",
+                above * 100.0
+            );
+        } else {
+            let (s, _) = state(&|_| true, f64::INFINITY);
+            assert!(s <= 1e-5, "{name}: optimizer state differs by {s}");
+        }
 
         let (m1, m2) = (
             read_json(&one.join("manifest.json")),
