@@ -14,7 +14,12 @@
 //! - `normal`: 200 chat calls of 4 KB requests and 2 KB answers, 8 at a time;
 //! - `big`: one call with a 30 MB request and a 20 MB streamed answer (SSE, 64 KB events);
 //! - `json`: one call with a 30 MB request and a 20 MB JSON answer;
-//! - `events`: one stream of 500,000 one-character SSE events (29 MB).
+//! - `events`: one stream of 500,000 one-character SSE events (29 MB);
+//! - `crowd`: six `big` calls at once, under the default `--memory-budget-bytes`
+//!   (160 MiB): the calls that do not fit are proxied whole and recorded cut; printed
+//!   with how many were cut;
+//! - `crowd-unbounded`: the same with a budget of 1 TiB, i.e. none (what the sidecar did
+//!   before the budget).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -178,6 +183,8 @@ struct Figures {
     uploaded: f64,
     after: f64,
     seconds: f64,
+    /// Calls whose capture the memory budget cut.
+    cut: f64,
 }
 
 async fn run(name: &str, binary: &str, upstream: SocketAddr) -> Figures {
@@ -191,6 +198,11 @@ async fn run(name: &str, binary: &str, upstream: SocketAddr) -> Figures {
         .arg("--spool-dir")
         .arg(work.path().join("spool"))
         .args(["--sidecar-id", "memory", "--segment-max-age-secs", "0.2"])
+        .args(if name == "crowd-unbounded" {
+            &["--memory-budget-bytes", "1099511627776"][..]
+        } else {
+            &[][..]
+        })
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -248,6 +260,18 @@ async fn run(name: &str, binary: &str, upstream: SocketAddr) -> Figures {
             call(&client, &base, "events", request_body(1000, true)).await;
             1.0
         }
+        "crowd" | "crowd-unbounded" => {
+            let mut set = tokio::task::JoinSet::new();
+            for _ in 0..6 {
+                let client = client.clone();
+                let base = base.clone();
+                set.spawn(async move {
+                    call(&client, &base, "big", request_body(30 << 20, true)).await;
+                });
+            }
+            while set.join_next().await.is_some() {}
+            6.0
+        }
         other => panic!("no workload {other}"),
     };
     let answered = status_kib(pid, "VmHWM:");
@@ -256,6 +280,7 @@ async fn run(name: &str, binary: &str, upstream: SocketAddr) -> Figures {
     let uploaded = status_kib(pid, "VmHWM:");
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = status_kib(pid, "VmRSS:");
+    let cut = metric(&client, &base, "tapline_memory_budget_cuts_total").await;
     let _ = sidecar.kill();
     let _ = sidecar.wait();
     let mib = |kib: u64| kib.saturating_sub(before) as f64 / 1024.0;
@@ -264,6 +289,7 @@ async fn run(name: &str, binary: &str, upstream: SocketAddr) -> Figures {
         uploaded: mib(uploaded),
         after: mib(after),
         seconds,
+        cut,
     }
 }
 
@@ -279,17 +305,24 @@ async fn main() {
     let upstream = upstream().await;
     println!("memory: sidecar {binary}");
     println!(
-        "| workload | peak growth by the answer's end (MiB) | peak growth by upload (MiB) | resident after (MiB) | seconds |"
+        "| workload | peak growth by the answer's end (MiB) | peak growth by upload (MiB) | resident after (MiB) | seconds | captures cut by the budget |"
     );
-    println!("|---|---:|---:|---:|---:|");
-    for name in ["normal", "big", "json", "events"] {
+    println!("|---|---:|---:|---:|---:|---:|");
+    for name in [
+        "normal",
+        "big",
+        "json",
+        "events",
+        "crowd",
+        "crowd-unbounded",
+    ] {
         if only.as_deref().is_some_and(|o| o != name) {
             continue;
         }
         let f = run(name, &binary, upstream).await;
         println!(
-            "| {name} | {:.1} | {:.1} | {:.1} | {:.2} |",
-            f.answered, f.uploaded, f.after, f.seconds
+            "| {name} | {:.1} | {:.1} | {:.1} | {:.2} | {} |",
+            f.answered, f.uploaded, f.after, f.seconds, f.cut
         );
     }
 }

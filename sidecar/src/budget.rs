@@ -25,8 +25,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Default budget: fitted to the shipped pod (`examples/deploy/harness-pod.yaml`, a
-/// 256Mi limit): 160 MiB of captures plus the sidecar's own ~20 MiB and the
-/// allocator's slack stays under the limit (BENCHMARKS.md, "Sidecar: memory per call").
+/// 256Mi limit): 160 MiB of captures (six cap-size calls at once peaked at 165 MiB
+/// above idle) plus ordinary traffic (~45 MiB for 512 streams) stays under the limit
+/// with ~45 MiB to spare (BENCHMARKS.md, "Sidecar: memory per call").
 pub const DEFAULT_BYTES: u64 = 160 << 20;
 
 /// Longest a waiting reservation waits for room before it proceeds over the budget.

@@ -67,8 +67,8 @@ pub struct RawConfig {
     pub capture_cap_bytes: Option<usize>,
     /// Bytes of captured bodies all calls in flight and the segment builder may hold at
     /// once. A call that would go over it is still proxied unchanged; its record keeps
-    /// what fitted and says the capture was cut (`capture_warnings`). Set it below the
-    /// container's memory limit minus about 40 MiB [default: 167772160, for the
+    /// what fitted and says the capture was cut (`capture_warnings`). Set it to the
+    /// container's memory limit minus about 96 MiB [default: 167772160, for the
     /// shipped pod's 256Mi].
     #[arg(long, alias = "memory-budget", env = "TAPLINE_MEMORY_BUDGET_BYTES")]
     pub memory_budget_bytes: Option<u64>,
@@ -362,7 +362,7 @@ impl RawConfig {
             return Err(bad(
                 "memory-budget-bytes",
                 format!(
-                    "{memory_budget_bytes} is below 1048576 (1 MiB): most calls' captures would be cut; give the sidecar more memory and set it to that limit minus about 40 MiB"
+                    "{memory_budget_bytes} is below 1048576 (1 MiB): most calls' captures would be cut; give the sidecar more memory and set it to that limit minus about 96 MiB"
                 ),
             ));
         }
@@ -561,6 +561,13 @@ mod tests {
         let cases: Vec<(RawConfig, &str)> = vec![
             (RawConfig::default(), "upstream"),
             (raw("ftp://x"), "upstream"),
+            (
+                RawConfig {
+                    memory_budget_bytes: Some(4096),
+                    ..raw("http://x")
+                },
+                "memory-budget-bytes",
+            ),
             (
                 RawConfig {
                     listen: Some("nope".into()),

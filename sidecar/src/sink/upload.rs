@@ -19,7 +19,7 @@ use crate::budget::MemoryBudget;
 use crate::clock::now_nanos;
 use crate::metrics::Metrics;
 use crate::rebuild;
-use crate::spool::{Stored, delete_file, for_each_sealed};
+use crate::spool::{Stored, delete_file, for_each_sealed_sized};
 
 /// Builds the segment of a sealed spool file, record by record (the file's records are
 /// never decoded all at once: memory stays at one record plus the compressor). This is
@@ -41,28 +41,32 @@ fn build_segment(
         SegmentWriter::with_version(Vec::new(), level, format).map_err(std::io::Error::other)?;
     let mut since_yield = 0usize;
     let (mut warned, mut body_errors) = (0u64, 0u64);
-    let mut held = budget.empty();
-    for_each_sealed(path, |mut record, stored| {
-        let estimate = match &record.kind {
-            Some(RecordKind::LlmCall(call)) => rebuild_estimate(call),
-            _ => 0,
-        };
+    // Reserved before each frame is read (the frame itself is the first copy), and
+    // grown while a content-encoded body decodes.
+    let held = std::cell::RefCell::new(budget.empty());
+    let before = |len: u32| {
+        let estimate = rebuild_estimate(u64::from(len));
+        let mut held = held.borrow_mut();
         held.shrink_to(estimate);
         held.grow_to_waiting(estimate);
+    };
+    for_each_sealed_sized(path, before, |mut record, stored| {
         if stored == Stored::AsCaptured
             && let Some(RecordKind::LlmCall(call)) = &mut record.kind
         {
-            // A content-encoded body decodes under the budget too: each decoded byte
-            // costs about as much again to rebuild.
+            // Each decoded byte costs about as much again to rebuild.
+            let base = held.borrow().bytes();
             let mut room = |decoded: usize| {
-                let need = estimate.saturating_add(REBUILD_FACTOR * decoded as u64);
+                let need = base.saturating_add(REBUILD_FACTOR * decoded as u64);
+                let mut held = held.borrow_mut();
                 if need <= held.bytes() {
                     return true;
                 }
                 if need > budget.limit() {
                     return false;
                 }
-                held.grow_to_waiting(need.max(held.bytes() + held.bytes() / 2));
+                let more = need.max(held.bytes() + held.bytes() / 2);
+                held.grow_to_waiting(more);
                 true
             };
             let done = rebuild::complete_within(call, &mut room);
@@ -99,19 +103,18 @@ fn build_segment(
     writer.finish().map_err(std::io::Error::other)
 }
 
-/// Bytes a record's build holds, per byte of its bodies, at most: the decoded frame,
+/// Bytes a record's build holds, per byte of its frame, at most: the decoded frame,
 /// the rebuilt completion text and the rebuild's parse state (measured: 2.7× for a
 /// 50 MB call, 4.1× for 500,000 one-character SSE events; BENCHMARKS.md, "Sidecar:
 /// memory per call").
 const REBUILD_FACTOR: u64 = 4;
 
-/// What building `call`'s record into a segment is budgeted at, before a
-/// content-encoded body decodes: [`REBUILD_FACTOR`] per byte of its bodies, plus
-/// 64 KiB for its parse state. (The compressor's window is the builder's whatever the
-/// record: part of the sidecar's own memory, outside the budget.)
-fn rebuild_estimate(call: &tapline_proto::LlmCall) -> u64 {
-    let bodies = (call.request_body.len() + call.response_body.len()) as u64;
-    REBUILD_FACTOR * bodies + (64 << 10)
+/// What building a record of `frame` bytes into a segment is budgeted at, before a
+/// content-encoded body decodes: [`REBUILD_FACTOR`] per byte, plus 64 KiB for its
+/// parse state. (The compressor's window is the builder's whatever the record: part of
+/// the sidecar's own memory, outside the budget.)
+fn rebuild_estimate(frame: u64) -> u64 {
+    REBUILD_FACTOR * frame + (64 << 10)
 }
 
 /// Builds of one spool file that may die (the process killed while building it) before
@@ -386,6 +389,63 @@ mod tests {
                 .any(|w| w.starts_with("record_too_large: response_body cut")),
             "{:?}",
             call.capture_warnings
+        );
+    }
+
+    /// A gzip answer that decodes to more than the budget holds is kept raw with a
+    /// warning; under a budget that holds it, it is rebuilt.
+    #[test]
+    fn a_content_encoded_body_decodes_within_the_memory_budget() {
+        let text = "x".repeat(2 << 20);
+        let json = format!(
+            "{{\"id\":\"c\",\"object\":\"chat.completion\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"{text}\"}},\"finish_reason\":\"stop\"}}]}}"
+        );
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(json.as_bytes()).unwrap();
+        let gz = gz.finish().unwrap();
+        let build = |limit: u64| {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut spool, _) = Spool::open(dir.path(), 1 << 30, 0).unwrap();
+            let call = LlmCall {
+                streamed: false,
+                response_headers: [("content-encoding".to_owned(), "gzip".to_owned())].into(),
+                response_body: gz.clone().into(),
+                response_body_size: gz.len() as u64,
+                ..captured_call()
+            };
+            spool
+                .append("s", 1, &mut Some(RecordKind::LlmCall(call)))
+                .unwrap();
+            let sealed = spool.seal().unwrap().unwrap();
+            let budget = MemoryBudget::new(limit);
+            let (bytes, _) =
+                build_segment(&sealed.path, 3, 2, &Metrics::default(), &budget).unwrap();
+            assert_eq!(budget.used(), 0, "the build gave its reservation back");
+            match decode_segment(&bytes, Limits::default())
+                .unwrap()
+                .remove(0)
+                .kind
+            {
+                Some(RecordKind::LlmCall(call)) => call,
+                other => panic!("{other:?}"),
+            }
+        };
+        let tight = build(4 << 20);
+        assert!(tight.completions.is_empty());
+        assert!(
+            tight
+                .capture_warnings
+                .iter()
+                .any(|w| w.contains("memory budget")),
+            "{:?}",
+            tight.capture_warnings
+        );
+        let roomy = build(64 << 20);
+        assert_eq!(roomy.completions[0].text, text);
+        assert!(
+            roomy.capture_warnings.is_empty(),
+            "{:?}",
+            roomy.capture_warnings
         );
     }
 

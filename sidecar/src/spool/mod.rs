@@ -56,7 +56,7 @@ use tapline_proto::{Record, RecordKind};
 
 mod read;
 
-pub use read::{for_each_sealed, read_sealed};
+pub use read::{for_each_sealed, for_each_sealed_sized, read_sealed};
 
 const MAGIC: [u8; 4] = *b"TLSP";
 const VERSION: u8 = 2;

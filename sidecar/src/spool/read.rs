@@ -23,6 +23,15 @@ use super::{
 /// and whether anything followed it (a torn or corrupted tail).
 fn visit_frames(
     path: &Path,
+    each: impl FnMut(Record, Stored) -> io::Result<()>,
+) -> io::Result<(u64, bool)> {
+    visit_frames_sized(path, |_| {}, each)
+}
+
+/// [`visit_frames`], telling `before` each frame's length before its payload is read.
+fn visit_frames_sized(
+    path: &Path,
+    mut before: impl FnMut(u32),
     mut each: impl FnMut(Record, Stored) -> io::Result<()>,
 ) -> io::Result<(u64, bool)> {
     let mut reader = BufReader::new(File::open(path)?);
@@ -68,6 +77,7 @@ fn visit_frames(
         if len > MAX_FRAME {
             return Ok((good, true));
         }
+        before(len);
         // Each payload gets its own buffer: the record decodes its bodies as slices of
         // it (`Bytes`), so a large call is in memory once, not read and then copied.
         let mut payload = vec![0; len as usize];
@@ -87,10 +97,20 @@ fn visit_frames(
 /// handed over).
 pub fn for_each_sealed(
     path: &Path,
+    each: impl FnMut(Record, Stored) -> io::Result<()>,
+) -> io::Result<()> {
+    for_each_sealed_sized(path, |_| {}, each)
+}
+
+/// [`for_each_sealed`], telling `before` each record's frame length before it is read
+/// (the segment builder reserves its memory there).
+pub fn for_each_sealed_sized(
+    path: &Path,
+    before: impl FnMut(u32),
     mut each: impl FnMut(Record, Stored) -> io::Result<()>,
 ) -> io::Result<()> {
     let mut records = 0u64;
-    let (_, damaged) = visit_frames(path, |record, stored| {
+    let (_, damaged) = visit_frames_sized(path, before, |record, stored| {
         records += 1;
         each(record, stored)
     })?;
