@@ -320,3 +320,67 @@ async fn a_body_over_the_capture_cap_is_refused_while_a_version_is_followed() {
         .shutdown(Duration::from_secs(1), Duration::from_secs(5))
         .await;
 }
+
+/// Likewise a request the memory budget cannot hold (with the copy routing makes):
+/// while a version is followed it gets 503 with `Retry-After`, not the base model.
+#[tokio::test]
+async fn a_request_over_the_memory_budget_is_asked_to_retry_while_a_version_is_followed() {
+    let upstream = Upstream::start(echo).await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.policy = Some("coder".into());
+        raw.policy_alias = Some("policy".into());
+        raw.policy_poll_secs = Some(0.1);
+        raw.memory_budget_bytes = Some(1 << 20);
+    })
+    .await;
+    let addr = sidecar.local_addr();
+    let client = client();
+    // 600 KB, held twice while routed: over the 1 MiB budget.
+    let big = json!({"model": "policy", "prompt": "x".repeat(600_000)}).to_string();
+
+    // Nothing announced: it passes whole, recorded without its request.
+    let (status, _, _) = send(&client, post(addr, "/v1/completions", big.clone())).await;
+    assert_eq!(status, 200);
+    assert_eq!(upstream.last().body, big.as_bytes());
+    let forwarded = upstream.count();
+
+    announce(&store, 1).await;
+    wait_for_version(&client, addr, 1).await;
+    let (status, headers, body) = send(&client, post(addr, "/v1/completions", big)).await;
+    assert_eq!(status, 503);
+    assert_eq!(headers["retry-after"], "1");
+    let body = String::from_utf8_lossy(&body);
+    assert!(
+        body.contains("memory_budget_full")
+            && body.contains("--memory-budget-bytes")
+            && body.contains("coder@v1"),
+        "{body}"
+    );
+    assert_eq!(upstream.count(), forwarded, "nothing went upstream");
+    // One that fits still goes to the version.
+    let small = r#"{"model":"policy","prompt":"x"}"#;
+    let (status, _, _) = send(&client, post(addr, "/v1/completions", small)).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        upstream.last().body.as_ref(),
+        br#"{"model":"coder@v1","prompt":"x"}"#
+    );
+    let h = health(&client, addr).await;
+    assert_eq!(h["memory_budget"]["cut_calls"], 1, "{h}");
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(5))
+        .await;
+    let calls = calls(&store, 2).await;
+    let cut = calls
+        .iter()
+        .find(|c| c.request_truncated)
+        .expect("the first call, recorded cut");
+    assert!(cut.request_body.is_empty());
+    assert!(
+        cut.capture_warnings
+            .iter()
+            .any(|w| w.starts_with("memory_budget: request not captured")),
+        "{:?}",
+        cut.capture_warnings
+    );
+}

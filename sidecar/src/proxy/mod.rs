@@ -165,7 +165,6 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         .request_bytes
         .fetch_add(read_len as u64, Ordering::Relaxed);
     let captured_request = if over_budget {
-        state.budget.count_cut();
         Bytes::new()
     } else {
         request_bytes.slice(..read_len.min(cap))
@@ -311,6 +310,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         ..attributed(&attribution, &state.config.sidecar_id)
     };
     if over_budget {
+        state.budget.count_cut();
         call.capture_warnings
             .push(budget_warning(&state, "request not captured"));
     }
