@@ -44,6 +44,24 @@ pub enum Json<'a> {
 }
 
 impl<'a> Json<'a> {
+    /// The same value with every string owned, to keep after its text is gone.
+    pub fn into_owned(self) -> Json<'static> {
+        let own = |s: Cow<'a, str>| Cow::Owned(s.into_owned());
+        match self {
+            Json::Null => Json::Null,
+            Json::Bool(b) => Json::Bool(b),
+            Json::Number(n) => Json::Number(n),
+            Json::String(s) => Json::String(own(s)),
+            Json::Array(items) => Json::Array(items.into_iter().map(Json::into_owned).collect()),
+            Json::Object(members) => Json::Object(
+                members
+                    .into_iter()
+                    .map(|(k, v)| (own(k), v.into_owned()))
+                    .collect(),
+            ),
+        }
+    }
+
     /// Parses `text`.
     pub fn parse(text: &'a [u8]) -> Result<Json<'a>, serde_json::Error> {
         serde_json::from_slice(text)

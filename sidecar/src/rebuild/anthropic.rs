@@ -13,25 +13,26 @@ use crate::sse::SseEvent;
 
 /// One content block of a message.
 #[derive(Debug, Default)]
-struct BlockAcc<'a> {
+struct BlockAcc {
     kind: String,
     text: String,
     thinking: String,
     id: String,
     name: String,
-    input: Option<Value<'a>>,
+    /// Owned: a streamed block outlives the event that started it.
+    input: Option<Value<'static>>,
     partial_json: String,
 }
 
-impl<'a> BlockAcc<'a> {
-    fn from_block(block: &Value<'a>) -> Self {
+impl BlockAcc {
+    fn from_block(block: &Value<'_>) -> Self {
         BlockAcc {
             kind: get_str(block, "type").unwrap_or_default().to_owned(),
             text: get_str(block, "text").unwrap_or_default().to_owned(),
             thinking: get_str(block, "thinking").unwrap_or_default().to_owned(),
             id: get_str(block, "id").unwrap_or_default().to_owned(),
             name: get_str(block, "name").unwrap_or_default().to_owned(),
-            input: block.get("input").cloned(),
+            input: block.get("input").cloned().map(Value::into_owned),
             partial_json: String::new(),
         }
     }
@@ -77,7 +78,7 @@ impl AnthropicUsage {
 }
 
 /// The single completion of a message, from its blocks in index order.
-fn anthropic_completion(blocks: BTreeMap<u64, BlockAcc<'_>>, stop_reason: String) -> Completion {
+fn anthropic_completion(blocks: BTreeMap<u64, BlockAcc>, stop_reason: String) -> Completion {
     let mut c = Completion {
         finish_reason: stop_reason,
         ..Completion::default()
@@ -138,18 +139,18 @@ pub(super) fn json(value: &Value<'_>, r: &mut Rebuilt) {
 }
 
 /// Rebuilds a Messages event stream.
-pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
-    let mut blocks: BTreeMap<u64, BlockAcc<'_>> = BTreeMap::new();
+pub(super) fn stream(events: impl Iterator<Item = SseEvent>, r: &mut Rebuilt) {
+    let mut blocks: BTreeMap<u64, BlockAcc> = BTreeMap::new();
     let mut started = false;
     let mut done = false;
     let mut stop_reason = String::new();
     let mut usage = AnthropicUsage::default();
     let mut error: Option<String> = None;
-    for (n, ev) in events.iter().enumerate() {
+    for (n, ev) in events.enumerate() {
         if ev.data.trim().is_empty() {
             continue;
         }
-        let Some(data) = event_json(n, ev, &mut r.warnings) else {
+        let Some(data) = event_json(n, &ev, &mut r.warnings) else {
             if ev.event.as_deref() == Some("error") {
                 error = Some(ev.data.trim().to_owned());
             }

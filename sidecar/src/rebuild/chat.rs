@@ -152,10 +152,10 @@ fn tool_key(acc: &ChoiceAcc, call: &Value<'_>, pos: usize, streamed: bool) -> u6
 }
 
 /// Rebuilds a chat (or legacy) completions event stream.
-pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
+pub(super) fn stream(events: impl Iterator<Item = SseEvent>, r: &mut Rebuilt) {
     let mut st = OpenAiState::default();
     let mut done = false;
-    for (n, ev) in events.iter().enumerate() {
+    for (n, ev) in events.enumerate() {
         let data = ev.data.trim();
         if data == "[DONE]" {
             done = true;
@@ -165,7 +165,7 @@ pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
             continue;
         }
         let is_error_event = ev.event.as_deref() == Some("error");
-        match event_json(n, ev, &mut r.warnings) {
+        match event_json(n, &ev, &mut r.warnings) {
             Some(chunk) => {
                 if is_error_event && error_member(&chunk).is_none() {
                     st.error = Some(error_message(&chunk));

@@ -65,16 +65,16 @@ pub fn rebuild(api: Api, streamed: bool, body: &[u8]) -> Rebuilt {
         Api::Other | Api::Unspecified => return r,
     };
     if streamed || (!looks_like_json(body) && looks_like_sse(body)) {
-        let events = sse_events(body);
-        if !(events.is_empty() && looks_like_json(body)) {
+        let mut events = SseEvents::new(body).peekable();
+        if !(events.peek().is_none() && looks_like_json(body)) {
             if !streamed {
                 r.warnings
                     .push("expected a JSON body, got an event stream; parsed it as events".into());
             }
             match family {
-                Family::OpenAi => chat::stream(&events, &mut r),
-                Family::Responses => responses::stream(&events, &mut r),
-                Family::Anthropic => anthropic::stream(&events, &mut r),
+                Family::OpenAi => chat::stream(events, &mut r),
+                Family::Responses => responses::stream(events, &mut r),
+                Family::Anthropic => anthropic::stream(events, &mut r),
             }
             return r;
         }
@@ -287,12 +287,51 @@ fn read_lenient(
 // ---------------------------------------------------------------------------------------
 // Shared helpers of the shapes
 
-fn sse_events(body: &[u8]) -> Vec<SseEvent> {
-    let mut parser = SseParser::new();
-    let mut events = Vec::new();
-    parser.feed(body, &mut events);
-    parser.finish(&mut events);
-    events
+/// The events of an SSE body, parsed as they are taken: the body is fed to the parser
+/// 64 KiB at a time, so what is held besides the body is one slice's events, not one
+/// `String` per event of the whole stream (500,000 one-character events were ~50 MiB).
+struct SseEvents<'b> {
+    parser: SseParser,
+    rest: &'b [u8],
+    ready: std::collections::VecDeque<SseEvent>,
+    scratch: Vec<SseEvent>,
+    finished: bool,
+}
+
+impl<'b> SseEvents<'b> {
+    fn new(body: &'b [u8]) -> Self {
+        SseEvents {
+            parser: SseParser::new(),
+            rest: body,
+            ready: std::collections::VecDeque::new(),
+            scratch: Vec::new(),
+            finished: false,
+        }
+    }
+}
+
+impl Iterator for SseEvents<'_> {
+    type Item = SseEvent;
+
+    fn next(&mut self) -> Option<SseEvent> {
+        const SLICE: usize = 64 << 10;
+        loop {
+            if let Some(event) = self.ready.pop_front() {
+                return Some(event);
+            }
+            if !self.rest.is_empty() {
+                let (slice, rest) = self.rest.split_at(self.rest.len().min(SLICE));
+                self.rest = rest;
+                self.parser.feed(slice, &mut self.scratch);
+            } else if !self.finished {
+                self.finished = true;
+                self.parser.finish(&mut self.scratch);
+            } else {
+                return None;
+            }
+            self.ready.extend(self.scratch.drain(..));
+        }
+    }
 }
 
 fn trimmed_start(body: &[u8]) -> &[u8] {
@@ -485,6 +524,28 @@ mod tests {
             "data: {\"id\":\"c\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"finish_reason\":\"stop\"}]}\n\n",
             "data: [DONE]\n\n",
         )
+    }
+
+    #[test]
+    fn a_stream_longer_than_one_parse_slice_rebuilds_whole_across_the_slice_edges() {
+        // 3,000 events of multi-byte text (~300 KiB): the parser is fed 64 KiB at a time,
+        // so slice edges fall inside events, lines, `\r\n` pairs and UTF-8 characters.
+        let mut body = String::new();
+        let mut want = String::new();
+        for i in 0..3000 {
+            let piece = format!("{i}é€😀 ");
+            want.push_str(&piece);
+            body.push_str(&format!(
+                "data: {{\"id\":\"c\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{piece}\"}}}}]}}\r\n\r\n"
+            ));
+        }
+        body.push_str("data: {\"id\":\"c\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\r\n\r\ndata: [DONE]\r\n\r\n");
+        assert!(body.len() > 4 * (64 << 10));
+        let r = rebuild(Api::ChatCompletions, true, body.as_bytes());
+        assert_eq!(r.warnings, Vec::<String>::new());
+        assert_eq!(r.completions.len(), 1);
+        assert_eq!(r.completions[0].text, want);
+        assert_eq!(r.completions[0].finish_reason, "stop");
     }
 
     fn captured(api: Api, streamed: bool, status: u32, body: &[u8]) -> LlmCall {

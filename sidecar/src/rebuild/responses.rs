@@ -121,17 +121,19 @@ struct ItemAcc<'a> {
 }
 
 /// Rebuilds a Responses event stream.
-pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
-    let mut terminal: Option<Value<'_>> = None;
+pub(super) fn stream(events: impl Iterator<Item = SseEvent>, r: &mut Rebuilt) {
+    let mut terminal: Option<Value<'static>> = None;
     let mut model = String::new();
     let mut error: Option<String> = None;
-    let mut items: BTreeMap<u64, ItemAcc<'_>> = BTreeMap::new();
+    let mut items: BTreeMap<u64, ItemAcc<'static>> = BTreeMap::new();
     let mut by_item_id: HashMap<String, u64> = HashMap::new();
-    for (n, ev) in events.iter().enumerate() {
+    let mut any_event = false;
+    for (n, ev) in events.enumerate() {
+        any_event = true;
         if ev.data.trim().is_empty() || ev.data.trim() == "[DONE]" {
             continue;
         }
-        let Some(data) = event_json(n, ev, &mut r.warnings) else {
+        let Some(data) = event_json(n, &ev, &mut r.warnings) else {
             if ev.event.as_deref() == Some("error") {
                 error = Some(ev.data.trim().to_owned());
             }
@@ -156,7 +158,7 @@ pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
             }
             "response.completed" | "response.incomplete" | "response.failed" => {
                 match data.get("response").filter(|v| v.is_object()) {
-                    Some(resp) => terminal = Some(resp.clone()),
+                    Some(resp) => terminal = Some(resp.clone().into_owned()),
                     None => r
                         .warnings
                         .push(format!("event {n} ({kind}): no response object")),
@@ -195,7 +197,7 @@ pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
             }
             "response.output_item.done" => {
                 if let (Some(index), Some(item)) = (slot, data.get("item")) {
-                    items.entry(index).or_default().done = Some(item.clone());
+                    items.entry(index).or_default().done = Some(item.clone().into_owned());
                 }
             }
             "response.output_text.delta" => {
@@ -260,7 +262,7 @@ pub(super) fn stream(events: &[SseEvent], r: &mut Rebuilt) {
                     },
                 );
             }
-            if !events.is_empty() {
+            if any_event {
                 r.completions = vec![acc.into_completion(0)];
             }
         }
