@@ -4,11 +4,14 @@
 //! episode event reached the store exactly once.
 //!
 //! `cargo bench -p tapline-sidecar --bench soak -- [--minutes 30] [--rate 20]
-//!   [--outage-every-secs 300] [--outage-secs 60] [--sample-secs 30]`
+//!   [--outage-every-secs 300] [--outage-secs 60] [--sample-secs 30] [--big-every 0]`
 //!
 //! Traffic: episodes of four calls (chat JSON, chat SSE, Anthropic Messages SSE,
 //! Responses JSON; one call in 50 carries a 1 MiB prompt), a reward and an end, at
-//! `--rate` calls per second, paced by the clock (open loop).
+//! `--rate` calls per second, paced by the clock (open loop). With `--big-every N`, the
+//! first call of every Nth episode is one at the capture cap: a 30 MB prompt answered by
+//! a 20 MB event stream (20,000 events), the call that OOM-killed a 256Mi pod before the
+//! memory budget.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -41,6 +44,7 @@ struct Options {
     outage_every: Duration,
     outage: Duration,
     sample: Duration,
+    big_every: u64,
 }
 
 fn options() -> Options {
@@ -50,6 +54,7 @@ fn options() -> Options {
         outage_every: Duration::from_secs(300),
         outage: Duration::from_secs(60),
         sample: Duration::from_secs(30),
+        big_every: 0,
     };
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -71,6 +76,7 @@ fn options() -> Options {
             "--outage-every-secs" => o.outage_every = Duration::from_secs_f64(v),
             "--outage-secs" => o.outage = Duration::from_secs_f64(v),
             "--sample-secs" => o.sample = Duration::from_secs_f64(v),
+            "--big-every" => o.big_every = v as u64,
             other => panic!("unknown flag {other}"),
         }
     }
@@ -147,6 +153,23 @@ const SSE_ANTHROPIC: &str = "event: message_start\ndata: {\"type\":\"message_sta
 const CHAT_JSON: &str = r#"{"id":"c","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"Done: the bug was an off-by-one."},"finish_reason":"stop"}],"usage":{"prompt_tokens":120,"completion_tokens":9,"total_tokens":129}}"#;
 const RESPONSES_JSON: &str = r#"{"id":"resp_1","object":"response","model":"m","status":"completed","output":[{"type":"message","id":"m1","role":"assistant","content":[{"type":"output_text","text":"Patched.","annotations":[]}]}],"usage":{"input_tokens":120,"output_tokens":3,"total_tokens":123}}"#;
 
+/// The capture-cap answer: 20 MB of chat completion chunks, 1,000 characters each.
+fn big_sse() -> Bytes {
+    static BODY: std::sync::OnceLock<Bytes> = std::sync::OnceLock::new();
+    BODY.get_or_init(|| {
+        let piece = "y".repeat(1000);
+        let mut body = String::with_capacity(21 << 20);
+        for _ in 0..20_000 {
+            body.push_str(&format!(
+                "data: {{\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{piece}\"}},\"finish_reason\":null}}]}}\n\n"
+            ));
+        }
+        body.push_str("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+        Bytes::from(body)
+    })
+    .clone()
+}
+
 /// The inference server: answers each API shape with a fixed body.
 async fn upstream() -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -156,18 +179,20 @@ async fn upstream() -> SocketAddr {
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
                     let path = req.uri().path().to_owned();
-                    let stream = req.uri().query() == Some("stream");
+                    let query = req.uri().query().map(str::to_owned);
                     let _ = req.into_body().collect().await;
                     let (body, sse) = if path.ends_with("/messages") {
-                        (SSE_ANTHROPIC, true)
+                        (Bytes::from_static(SSE_ANTHROPIC.as_bytes()), true)
                     } else if path.ends_with("/responses") {
-                        (RESPONSES_JSON, false)
-                    } else if stream {
-                        (SSE_CHAT, true)
+                        (Bytes::from_static(RESPONSES_JSON.as_bytes()), false)
+                    } else if query.as_deref() == Some("big") {
+                        (big_sse(), true)
+                    } else if query.as_deref() == Some("stream") {
+                        (Bytes::from_static(SSE_CHAT.as_bytes()), true)
                     } else {
-                        (CHAT_JSON, false)
+                        (Bytes::from_static(CHAT_JSON.as_bytes()), false)
                     };
-                    let mut resp = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+                    let mut resp = Response::new(Full::new(body));
                     resp.headers_mut().insert(
                         http::header::CONTENT_TYPE,
                         http::HeaderValue::from_static(if sse {
@@ -213,11 +238,16 @@ async fn post(
 }
 
 fn rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// A memory line of `/proc/PID/status` (`VmRSS:` now, `VmHWM:` the peak since start).
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         })
         .unwrap_or(0)
@@ -237,6 +267,8 @@ struct Sent {
     spans: Vec<String>,
     rewards: Vec<String>,
     episodes: Vec<String>,
+    /// Span ids of the capture-cap calls.
+    big: Vec<String>,
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -277,11 +309,15 @@ async fn main() {
     }
     let idle_rss = rss_kib(pid);
     println!(
-        "soak: {:.1} min at {} calls/s, store down {:?} every {:?}; sidecar pid {pid}, idle RSS {:.1} MiB",
+        "soak: {:.1} min at {} calls/s, store down {:?} every {:?}, a capture-cap call {}; sidecar pid {pid}, idle RSS {:.1} MiB",
         o.minutes,
         o.rate,
         o.outage,
         o.outage_every,
+        match o.big_every {
+            0 => "never".to_owned(),
+            n => format!("every {n} episodes"),
+        },
         idle_rss as f64 / 1024.0
     );
     println!("| t (s) | store | calls sent | RSS (MiB) | spool records | spool MiB |");
@@ -362,7 +398,13 @@ async fn main() {
             ),
         };
         let mut body = body;
-        if episode_no.is_multiple_of(50) && turn == 0 {
+        let mut path = path;
+        let big = o.big_every > 0 && episode_no.is_multiple_of(o.big_every) && turn == 0;
+        if big {
+            body["messages"][0]["content"] = json!("x".repeat(30_000_000));
+            body["stream"] = json!(true);
+            path = "v1/chat/completions?big";
+        } else if episode_no.is_multiple_of(50) && turn == 0 {
             body["messages"][0]["content"] = json!("x".repeat(1 << 20));
         }
         let url = format!("{base}/e/{episode}/{path}");
@@ -373,7 +415,13 @@ async fn main() {
             let (status, headers, _) = post(&client2, url, body).await;
             assert!(status.is_success(), "call failed: {status}");
             let span = headers["x-tapline-span-id"].to_str().unwrap().to_owned();
-            sent2.lock().unwrap().spans.push(span);
+            {
+                let mut sent = sent2.lock().unwrap();
+                if big {
+                    sent.big.push(span.clone());
+                }
+                sent.spans.push(span);
+            }
             if closing {
                 let (status, _, body) = post(
                     &client2,
@@ -405,6 +453,7 @@ async fn main() {
     while in_flight.join_next().await.is_some() {}
     switch.set(true);
     let end_rss = rss_kib(pid);
+    let high_water = status_kib(pid, "VmHWM:");
     // SIGTERM: the sidecar drains and flushes its spool, then exits.
     let stopping = Instant::now();
     Command::new("kill")
@@ -422,6 +471,8 @@ async fn main() {
     let mut rewards: HashMap<String, u32> = HashMap::new();
     let mut events: BTreeMap<(String, i32), u32> = BTreeMap::new();
     let mut stored_bytes = 0u64;
+    // Capture-cap calls as stored: (request bytes, response bytes, cut by the budget).
+    let mut big_stored: HashMap<String, (usize, usize, bool)> = HashMap::new();
     for m in &metas {
         let bytes = loc
             .store
@@ -436,7 +487,19 @@ async fn main() {
         assert!(contents.skipped.is_empty());
         for r in contents.records {
             match r.kind {
-                Some(RecordKind::LlmCall(c)) => *spans.entry(c.span_id).or_default() += 1,
+                Some(RecordKind::LlmCall(c)) => {
+                    if c.request_body.len() > 10_000_000 || c.request_truncated {
+                        let cut = c
+                            .capture_warnings
+                            .iter()
+                            .any(|w| w.contains("memory_budget"));
+                        big_stored.insert(
+                            c.span_id.clone(),
+                            (c.request_body.len(), c.response_body.len(), cut),
+                        );
+                    }
+                    *spans.entry(c.span_id).or_default() += 1
+                }
                 Some(RecordKind::Reward(w)) => *rewards.entry(w.reward_id).or_default() += 1,
                 Some(RecordKind::EpisodeEvent(e)) => {
                     *events.entry((e.episode_id, e.kind)).or_default() += 1
@@ -464,6 +527,25 @@ async fn main() {
         .filter(|e| !events.contains_key(&((*e).clone(), EpisodeEventKind::Start as i32)))
         .count();
     let duplicate_events = events.values().filter(|n| **n > 1).count();
+    let missing_big = sent
+        .big
+        .iter()
+        .filter(|s| !big_stored.contains_key(*s))
+        .count();
+    let whole_big = sent
+        .big
+        .iter()
+        .filter(|s| {
+            big_stored
+                .get(*s)
+                .is_some_and(|&(req, resp, cut)| !cut && req > 30_000_000 && resp > 20_000_000)
+        })
+        .count();
+    let cut_big = sent
+        .big
+        .iter()
+        .filter(|s| big_stored.get(*s).is_some_and(|b| b.2))
+        .count();
     let peak = samples.iter().map(|s| s.1).max().unwrap_or(0);
     let half = samples.len() / 2;
     let late_mean = samples[half..].iter().map(|s| s.1).sum::<u64>() as f64
@@ -488,15 +570,25 @@ async fn main() {
         stored_bytes as f64 / (1 << 20) as f64,
     );
     println!(
-        "soak memory: idle {:.1} MiB, peak {:.1} MiB, mean of the first half {:.1} MiB, of the second half {:.1} MiB, at the end {:.1} MiB; largest spool {} records; SIGTERM to exit {:.1?}",
+        "soak memory: idle {:.1} MiB, peak {:.1} MiB sampled ({:.1} MiB VmHWM), mean of the first half {:.1} MiB, of the second half {:.1} MiB, at the end {:.1} MiB; largest spool {} records; SIGTERM to exit {:.1?}",
         idle_rss as f64 / 1024.0,
         peak as f64 / 1024.0,
+        high_water as f64 / 1024.0,
         early_mean / 1024.0,
         late_mean / 1024.0,
         end_rss as f64 / 1024.0,
         max_spool,
         stop_took,
     );
+    if o.big_every > 0 {
+        println!(
+            "soak capture-cap calls: {} sent; stored whole {}, cut by the memory budget {}, not found as capture-cap records {}",
+            sent.big.len(),
+            whole_big,
+            cut_big,
+            missing_big,
+        );
+    }
     assert_eq!(
         (
             missing_calls,
