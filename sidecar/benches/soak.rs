@@ -282,7 +282,10 @@ async fn main() {
     let store = format!(
         "s3://records/soak?endpoint=http://{relay}&region=us-east-1&access_key_id={ACCESS}&secret_access_key={SECRET}"
     );
-    let mut sidecar: Child = Command::new(env!("CARGO_BIN_EXE_tapline-sidecar"))
+    // TAPLINE_BENCH_SIDECAR runs another build (say, of the previous commit) instead.
+    let binary = std::env::var_os("TAPLINE_BENCH_SIDECAR")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_tapline-sidecar").into());
+    let mut sidecar: Child = Command::new(binary)
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--upstream", &format!("http://{upstream}")])
         .args(["--store", &store, "--sidecar-id", "soak"])
@@ -320,8 +323,8 @@ async fn main() {
         },
         idle_rss as f64 / 1024.0
     );
-    println!("| t (s) | store | calls sent | RSS (MiB) | spool records | spool MiB |");
-    println!("|---:|---|---:|---:|---:|---:|");
+    println!("| t (s) | store | calls sent | RSS (MiB) | budget held (MiB) | spool records | spool MiB |");
+    println!("|---:|---|---:|---:|---:|---:|---:|");
 
     let sent = Arc::new(Mutex::new(Sent::default()));
     let started = Instant::now();
@@ -349,11 +352,13 @@ async fn main() {
             let rss = rss_kib(pid);
             samples.push((t.as_secs_f64(), rss));
             println!(
-                "| {:.0} | {} | {} | {:.1} | {} | {:.2} |",
+                "| {:.0} | {} | {} | {:.1} | {:.1} | {} | {:.2} |",
                 t.as_secs_f64(),
                 if up { "up" } else { "down" },
                 sent.lock().unwrap().spans.len(),
                 rss as f64 / 1024.0,
+                health["memory_budget"]["used_bytes"].as_u64().unwrap_or(0) as f64
+                    / (1 << 20) as f64,
                 spool_records,
                 health["spool_bytes"].as_u64().unwrap_or(0) as f64 / (1 << 20) as f64,
             );
@@ -471,8 +476,9 @@ async fn main() {
     let mut rewards: HashMap<String, u32> = HashMap::new();
     let mut events: BTreeMap<(String, i32), u32> = BTreeMap::new();
     let mut stored_bytes = 0u64;
-    // Capture-cap calls as stored: (request bytes, response bytes, cut by the budget).
-    let mut big_stored: HashMap<String, (usize, usize, bool)> = HashMap::new();
+    // Capture-cap calls as stored: (request bytes, response bytes, cut by the budget,
+    // cut to fit the record limit).
+    let mut big_stored: HashMap<String, (usize, usize, bool, bool)> = HashMap::new();
     for m in &metas {
         let bytes = loc
             .store
@@ -493,9 +499,13 @@ async fn main() {
                             .capture_warnings
                             .iter()
                             .any(|w| w.contains("memory_budget"));
+                        let fitted = c
+                            .capture_warnings
+                            .iter()
+                            .any(|w| w.starts_with("record_too_large:"));
                         big_stored.insert(
                             c.span_id.clone(),
-                            (c.request_body.len(), c.response_body.len(), cut),
+                            (c.request_body.len(), c.response_body.len(), cut, fitted),
                         );
                     }
                     *spans.entry(c.span_id).or_default() += 1
@@ -538,13 +548,26 @@ async fn main() {
         .filter(|s| {
             big_stored
                 .get(*s)
-                .is_some_and(|&(req, resp, cut)| !cut && req > 30_000_000 && resp > 20_000_000)
+                .is_some_and(|&(req, resp, cut, fitted)| {
+                    !cut && !fitted && req > 30_000_000 && resp > 20_000_000
+                })
         })
         .count();
     let cut_big = sent
         .big
         .iter()
         .filter(|s| big_stored.get(*s).is_some_and(|b| b.2))
+        .count();
+    // The request whole, the raw answer cut so that the record (with the completion
+    // rebuilt whole) stays under the readers' 64 MiB limit (`limits::fit_call`).
+    let fitted_big = sent
+        .big
+        .iter()
+        .filter(|s| {
+            big_stored
+                .get(*s)
+                .is_some_and(|&(req, _, cut, fitted)| !cut && fitted && req > 30_000_000)
+        })
         .count();
     let peak = samples.iter().map(|s| s.1).max().unwrap_or(0);
     let half = samples.len() / 2;
@@ -582,9 +605,10 @@ async fn main() {
     );
     if o.big_every > 0 {
         println!(
-            "soak capture-cap calls: {} sent; stored whole {}, cut by the memory budget {}, not found as capture-cap records {}",
+            "soak capture-cap calls: {} sent; stored whole {}, request whole and raw answer cut to the record limit {}, cut by the memory budget {}, not found as capture-cap records {}",
             sent.big.len(),
             whole_big,
+            fitted_big,
             cut_big,
             missing_big,
         );

@@ -18,6 +18,7 @@
 //! - [`sink`]: the [`sink::RecordSink`] interface, the spool writer and the uploader.
 //! - [`spool`]: the local spool (append-only, checksummed files) and its recovery.
 //! - [`metrics`]: Prometheus counters.
+//! - [`malloc`]: glibc malloc tuned so freed bodies leave the resident set.
 //! - [`clock`]: the wall clock records are stamped with.
 //! - [`dump`]: prints every record of a store as JSON lines (`tapline-sidecar dump`).
 
@@ -31,6 +32,7 @@ pub mod episodes;
 pub mod fds;
 pub mod json;
 pub mod limits;
+pub mod malloc;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

@@ -103,6 +103,9 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Before any other thread starts (see the module): returns in the process that has
+    // the settings.
+    tapline_sidecar::malloc::tune();
     let cli = Cli::parse();
     match cli.command {
         Some(Command::Dump {
@@ -166,6 +169,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         now = ?fds.now,
         needed = fds.needed,
         "RLIMIT_NOFILE"
+    );
+    tracing::debug!(
+        mmap_threshold = ?std::env::var_os(tapline_sidecar::malloc::MMAP_THRESHOLD_VAR),
+        arena_max = ?std::env::var_os(tapline_sidecar::malloc::ARENA_MAX_VAR),
+        "malloc settings"
     );
     let runtime = match args.worker_threads {
         0 => anyhow::bail!(

@@ -207,3 +207,52 @@ fn the_soft_open_files_limit_is_raised_and_too_many_connections_are_refused() {
         "{err}"
     );
 }
+
+/// The `NAME=value` entries of a running process's environment.
+fn environment(pid: u32) -> Vec<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    raw.split(|b| *b == 0)
+        .filter(|e| !e.is_empty())
+        .map(|e| String::from_utf8_lossy(e).into_owned())
+        .collect()
+}
+
+/// The sidecar restarts itself (same process id) with glibc's mmap threshold fixed and
+/// two arenas, so that a freed capture leaves the resident set (src/malloc.rs); a value
+/// set in the environment is kept, and the arguments survive the restart.
+#[test]
+fn the_sidecar_runs_with_malloc_tuned_and_keeps_a_value_it_was_given() {
+    for (given, threshold, arenas) in [
+        (None, "262144", "2"),
+        (Some(("MALLOC_ARENA_MAX", "3")), "262144", "3"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let mut cmd = sidecar();
+        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--upstream", "http://127.0.0.1:9", "--sidecar-id", "malloc"])
+            .arg("--store")
+            .arg(dir.path().join("store"))
+            .arg("--spool-dir")
+            .arg(dir.path().join("spool"))
+            .env_remove("MALLOC_MMAP_THRESHOLD_")
+            .env_remove("MALLOC_ARENA_MAX")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some((name, value)) = given {
+            cmd.env(name, value);
+        }
+        let mut child = cmd.spawn().unwrap();
+        // Serving on the port it was given, under the id it was given: the arguments
+        // came through the restart.
+        wait_serving(&mut child, port, "malloc");
+        let env = environment(child.id());
+        assert!(
+            env.contains(&format!("MALLOC_MMAP_THRESHOLD_={threshold}")),
+            "{env:?}"
+        );
+        assert!(env.contains(&format!("MALLOC_ARENA_MAX={arenas}")), "{env:?}");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
