@@ -323,7 +323,9 @@ async fn main() {
         },
         idle_rss as f64 / 1024.0
     );
-    println!("| t (s) | store | calls sent | RSS (MiB) | budget held (MiB) | spool records | spool MiB |");
+    println!(
+        "| t (s) | store | calls sent | RSS (MiB) | budget held (MiB) | spool records | spool MiB |"
+    );
     println!("|---:|---|---:|---:|---:|---:|---:|");
 
     let sent = Arc::new(Mutex::new(Sent::default()));
@@ -546,11 +548,9 @@ async fn main() {
         .big
         .iter()
         .filter(|s| {
-            big_stored
-                .get(*s)
-                .is_some_and(|&(req, resp, cut, fitted)| {
-                    !cut && !fitted && req > 30_000_000 && resp > 20_000_000
-                })
+            big_stored.get(*s).is_some_and(|&(req, resp, cut, fitted)| {
+                !cut && !fitted && req > 30_000_000 && resp > 20_000_000
+            })
         })
         .count();
     let cut_big = sent

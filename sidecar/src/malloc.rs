@@ -80,7 +80,12 @@ mod tests {
     fn rss() -> u64 {
         let status = std::fs::read_to_string("/proc/self/status").unwrap();
         let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() << 10
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            << 10
     }
 
     /// With the threshold fixed, freed capture-size bodies go back to the system even
@@ -94,7 +99,10 @@ mod tests {
     fn freed_large_bodies_leave_the_resident_set() {
         let Some(mode) = std::env::var_os(CHILD) else {
             let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "malloc::tests::freed_large_bodies_leave_the_resident_set"])
+                .args([
+                    "--exact",
+                    "malloc::tests::freed_large_bodies_leave_the_resident_set",
+                ])
                 .args(["--nocapture", "--test-threads=1"])
                 .env(CHILD, "tuned")
                 .env(MMAP_THRESHOLD_VAR, MMAP_THRESHOLD.to_string())
@@ -134,7 +142,10 @@ mod tests {
             held >> 20,
             after >> 20
         );
-        assert!(held >= before + (60 << 20), "the bodies are resident while held");
+        assert!(
+            held >= before + (60 << 20),
+            "the bodies are resident while held"
+        );
         assert!(
             after < before + (8 << 20),
             "64 MiB of freed bodies stayed resident: RSS {} MiB before them, {} MiB after",

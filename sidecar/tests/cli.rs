@@ -251,7 +251,10 @@ fn the_sidecar_runs_with_malloc_tuned_and_keeps_a_value_it_was_given() {
             env.contains(&format!("MALLOC_MMAP_THRESHOLD_={threshold}")),
             "{env:?}"
         );
-        assert!(env.contains(&format!("MALLOC_ARENA_MAX={arenas}")), "{env:?}");
+        assert!(
+            env.contains(&format!("MALLOC_ARENA_MAX={arenas}")),
+            "{env:?}"
+        );
         let _ = child.kill();
         let _ = child.wait();
     }
