@@ -143,8 +143,13 @@ impl MemoryBudget {
         }
         let mut books = self.books();
         books.used = books.used.saturating_sub(bytes);
+        // Only the segment builder waits, and says so in `wanted` before it does (under
+        // this lock): without a waiter there is no futex call, one per call otherwise.
+        let waited_for = books.wanted > 0;
         drop(books);
-        self.freed.notify_all();
+        if waited_for {
+            self.freed.notify_all();
+        }
     }
 }
 

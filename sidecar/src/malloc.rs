@@ -48,12 +48,7 @@ pub fn tune() {
         let arg0 = args.next().unwrap_or_default();
         let exe = match std::env::current_exe() {
             Ok(exe) => exe,
-            Err(error) => {
-                eprintln!(
-                    "tapline-sidecar: warning: cannot find its own binary to restart with {MMAP_THRESHOLD_VAR} and {ARENA_MAX_VAR} set ({error}); freed bodies may stay resident beyond the memory budget (set them in the environment)"
-                );
-                return;
-            }
+            Err(error) => return untuned("find its own binary", &error),
         };
         let mut command = std::process::Command::new(exe);
         command.arg0(arg0).args(args);
@@ -64,10 +59,16 @@ pub fn tune() {
             command.env(ARENA_MAX_VAR, ARENA_MAX.to_string());
         }
         let error = command.exec();
-        eprintln!(
-            "tapline-sidecar: warning: cannot restart with {MMAP_THRESHOLD_VAR} and {ARENA_MAX_VAR} set ({error}); freed bodies may stay resident beyond the memory budget (set them in the environment)"
-        );
+        untuned("restart itself", &error);
     }
+}
+
+/// Warns that the sidecar runs with glibc's defaults: it could not `what`.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn untuned(what: &str, error: &std::io::Error) {
+    eprintln!(
+        "tapline-sidecar: warning: cannot {what} to run with {MMAP_THRESHOLD_VAR} and {ARENA_MAX_VAR} set ({error}); freed bodies may stay resident beyond the memory budget (set both in the environment)"
+    );
 }
 
 #[cfg(all(test, target_os = "linux", target_env = "gnu"))]

@@ -67,17 +67,24 @@ fn wait_serving(child: &mut std::process::Child, port: u16, sidecar_id: &str) {
 }
 
 /// Starts the sidecar, waits until it serves, stops it with SIGTERM; returns stderr.
+/// `tapline-sidecar serve` on `port` as `id`, recording under `dir`, its upstream a
+/// port nothing listens on.
+fn serve_command(dir: &std::path::Path, port: u16, id: &str) -> Command {
+    let mut cmd = sidecar();
+    cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--upstream", "http://127.0.0.1:9", "--sidecar-id", id])
+        .arg("--store")
+        .arg(dir.join("store"))
+        .arg("--spool-dir")
+        .arg(dir.join("spool"));
+    cmd
+}
+
 fn run_and_stop(configure: impl FnOnce(&mut Command)) -> String {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let mut cmd = sidecar();
-    cmd.args(["--listen", &format!("127.0.0.1:{port}")])
-        .args(["--upstream", "http://127.0.0.1:9", "--sidecar-id", "logs"])
-        .arg("--store")
-        .arg(dir.path().join("store"))
-        .arg("--spool-dir")
-        .arg(dir.path().join("spool"))
-        .args(["--drain-secs", "1", "--header-read-timeout-secs", "0.5"])
+    let mut cmd = serve_command(dir.path(), port, "logs");
+    cmd.args(["--drain-secs", "1", "--header-read-timeout-secs", "0.5"])
         .env("TAPLINE_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
@@ -228,14 +235,8 @@ fn the_sidecar_runs_with_malloc_tuned_and_keeps_a_value_it_was_given() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        let mut cmd = sidecar();
-        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--upstream", "http://127.0.0.1:9", "--sidecar-id", "malloc"])
-            .arg("--store")
-            .arg(dir.path().join("store"))
-            .arg("--spool-dir")
-            .arg(dir.path().join("spool"))
-            .env_remove("MALLOC_MMAP_THRESHOLD_")
+        let mut cmd = serve_command(dir.path(), port, "malloc");
+        cmd.env_remove("MALLOC_MMAP_THRESHOLD_")
             .env_remove("MALLOC_ARENA_MAX")
             .stdout(Stdio::null())
             .stderr(Stdio::null());

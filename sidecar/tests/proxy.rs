@@ -556,6 +556,105 @@ async fn vllm_upstreams_return_token_ids_that_the_client_never_sees() {
 }
 
 #[tokio::test]
+async fn a_json_answer_too_large_to_rewrite_passes_unchanged_and_is_flagged() {
+    // An answer with its content padded to `pad` bytes.
+    let padded = |pad: usize| {
+        VLLM_JSON.replace(
+            "\"content\":\"Hi!\"",
+            &format!("\"content\":\"Hi!{}\"", " ".repeat(pad)),
+        )
+    };
+    let upstream = Upstream::start(move |r| {
+        let req: Value = serde_json::from_slice(&r.body).unwrap();
+        let body = padded(req["pad"].as_u64().unwrap() as usize);
+        let mut script = Script::json(body.clone());
+        script
+            .headers
+            .push(("content-length".into(), body.len().to_string()));
+        script
+    })
+    .await;
+    // A 200 KiB cap and a 1 MiB budget: an answer rewritten with token fidelity may hold
+    // ten times its length.
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.upstream_kind = Some(UpstreamKind::Vllm);
+        raw.capture_cap_bytes = Some(200 << 10);
+        raw.memory_budget_bytes = Some(1 << 20);
+    })
+    .await;
+    let client = client();
+    let mut answers = Vec::new();
+    for pad in [300_000, 120_000, 10] {
+        let request = json!({"model": "m", "pad": pad, "messages": []}).to_string();
+        let (status, headers, body) = send(
+            &client,
+            post(sidecar.local_addr(), "/v1/chat/completions", request),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            headers["content-length"].to_str().unwrap(),
+            body.len().to_string()
+        );
+        answers.push(body);
+    }
+    // Over the cap, and over what the budget holds for a rewrite: byte for byte the
+    // upstream's, with the fields the harness did not ask for.
+    assert_eq!(answers[0], padded(300_000).as_bytes());
+    assert_eq!(answers[1], padded(120_000).as_bytes());
+    // A small one is rewritten as always.
+    let small: Value = serde_json::from_slice(&answers[2]).unwrap();
+    assert!(small.get("prompt_token_ids").is_none());
+    assert_eq!(small["choices"][0]["logprobs"], Value::Null);
+
+    let calls = calls(&store, 3).await;
+    let by_size = |n: usize| {
+        calls
+            .iter()
+            .find(|c| c.response_body_size == n as u64)
+            .unwrap_or_else(|| panic!("no call answered with {n} bytes"))
+    };
+    let not_rewritten = |c: &tapline_proto::LlmCall| {
+        c.capture_warnings
+            .iter()
+            .filter(|w| w.starts_with("response_not_rewritten: "))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let big = by_size(padded(300_000).len());
+    assert!(big.response_truncated);
+    assert_eq!(big.response_body.len(), 200 << 10);
+    let w = not_rewritten(big);
+    assert!(
+        w.len() == 1 && w[0].contains("capture cap (204800 bytes)"),
+        "{w:?}"
+    );
+    assert!(w[0].contains("token ids and log-probs"), "{w:?}");
+
+    let mid = by_size(padded(120_000).len());
+    assert!(!mid.response_truncated);
+    assert_eq!(mid.response_body, padded(120_000).as_bytes());
+    let w = not_rewritten(mid);
+    assert!(
+        w.len() == 1 && w[0].contains("memory budget (1048576 bytes)"),
+        "{w:?}"
+    );
+    // Captured whole, it is rebuilt with the ids as any other.
+    assert_eq!(mid.completions[0].token_ids, [9707, 0, 151645]);
+
+    let small = by_size(padded(10).len());
+    assert!(
+        not_rewritten(small).is_empty(),
+        "{:?}",
+        small.capture_warnings
+    );
+    assert_eq!(small.completions[0].token_ids, [9707, 0, 151645]);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
 async fn openai_upstreams_get_nothing_injected() {
     let upstream = Upstream::start(|_| Script::json(CHAT_JSON)).await;
     let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
+use http_body::Body;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tapline_proto::Api;
 
 use crate::body::{RespBody, full_body};
@@ -68,20 +68,20 @@ pub fn api_error(api: Api, status: StatusCode, code: &str, message: &str) -> Res
     resp
 }
 
-/// What [`read_capped`] read of a request body.
-pub(super) struct ReadBody {
+/// What [`read_capped`] read of a body.
+pub(super) struct ReadBody<B> {
     /// The bytes read: all of the body, or (with `rest`) its head.
     pub(super) bytes: Bytes,
     /// How many.
     pub(super) len: usize,
     /// The unread remainder: the body is longer than the cap, or the memory budget
     /// refused to hold more of it.
-    pub(super) rest: Option<Incoming>,
+    pub(super) rest: Option<B>,
     /// The memory budget refused: `bytes` are forwarded, not captured.
     pub(super) over_budget: bool,
 }
 
-/// Reads up to `cap` bytes of a request body into one buffer, asking `admit` before
+/// Reads up to `cap` bytes of a body (a request's, or an answer to rewrite) into one buffer, asking `admit` before
 /// holding each total length (the declared one first). Returns the bytes read (at
 /// least `cap + 1` of them when the body is longer) and, then, the unread remainder;
 /// when `admit` refuses, what was read so far and the remainder.
@@ -89,12 +89,14 @@ pub(super) struct ReadBody {
 /// The body is held once: a single frame is kept as it came, several are copied into
 /// one buffer sized from the declared length (capped, so a false `Content-Length`
 /// reserves no more than `cap` plus one frame), not collected and then joined.
-pub(super) async fn read_capped(
-    mut body: Incoming,
+pub(super) async fn read_capped<B>(
+    mut body: B,
     cap: usize,
     admit: &mut (dyn FnMut(usize) -> bool + Send),
-) -> Result<ReadBody, hyper::Error> {
-    use hyper::body::Body as _;
+) -> Result<ReadBody<B>, B::Error>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
     let declared = body.size_hint().exact();
     if let Some(declared) = declared
         && !admit(usize::try_from(declared).unwrap_or(usize::MAX).min(cap))

@@ -56,6 +56,8 @@ pub(super) struct CaptureBody {
     /// Watches for the end of the stream's last event (event streams of known APIs).
     terminal: Option<TerminalWatch>,
     held: Option<Held>,
+    /// Bytes already read (and teed into the capture) to send before `inner`'s.
+    head: Option<Bytes>,
     done: bool,
 }
 
@@ -78,8 +80,16 @@ impl CaptureBody {
             last_frame: tokio::time::Instant::now(),
             terminal,
             held: None,
+            head: None,
             done: false,
         }
+    }
+
+    /// Sends `head` first: the start of the body, read before and already teed into
+    /// the capture.
+    pub(super) fn after(mut self, head: Bytes) -> Self {
+        self.head = Some(head);
+        self
     }
 
     fn finish(&mut self, outcome: Outcome, error: Option<String>) {
@@ -165,6 +175,20 @@ impl Body for CaptureBody {
             }
             if this.done {
                 return Poll::Ready(None);
+            }
+            if let Some(head) = this.head.take() {
+                this.last_frame = tokio::time::Instant::now();
+                this.sent(head.len());
+                let frame = (!head.is_empty()).then(|| Frame::data(head));
+                if this.inner.is_end_stream() {
+                    // The head was all of it: the last frame, held like any other.
+                    this.hold(frame);
+                    continue;
+                }
+                if let Some(frame) = frame {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                continue;
             }
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -252,7 +276,16 @@ impl Body for CaptureBody {
 
     fn size_hint(&self) -> SizeHint {
         match self.rewrite {
-            Rewrite::None => self.inner.size_hint(),
+            Rewrite::None => {
+                let inner = self.inner.size_hint();
+                let head = self.head.as_ref().map_or(0, |h| h.len() as u64);
+                let mut hint = SizeHint::new();
+                hint.set_lower(inner.lower() + head);
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper + head);
+                }
+                hint
+            }
             Rewrite::Sse(_) => SizeHint::default(),
         }
     }

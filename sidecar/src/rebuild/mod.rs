@@ -293,8 +293,9 @@ fn read_lenient(
 struct SseEvents<'b> {
     parser: SseParser,
     rest: &'b [u8],
-    ready: std::collections::VecDeque<SseEvent>,
-    scratch: Vec<SseEvent>,
+    /// The current slice's events not yet taken, last first (taken with `pop`, the
+    /// buffer reused for the next slice).
+    ready: Vec<SseEvent>,
     finished: bool,
 }
 
@@ -303,8 +304,7 @@ impl<'b> SseEvents<'b> {
         SseEvents {
             parser: SseParser::new(),
             rest: body,
-            ready: std::collections::VecDeque::new(),
-            scratch: Vec::new(),
+            ready: Vec::new(),
             finished: false,
         }
     }
@@ -316,20 +316,20 @@ impl Iterator for SseEvents<'_> {
     fn next(&mut self) -> Option<SseEvent> {
         const SLICE: usize = 64 << 10;
         loop {
-            if let Some(event) = self.ready.pop_front() {
+            if let Some(event) = self.ready.pop() {
                 return Some(event);
             }
             if !self.rest.is_empty() {
                 let (slice, rest) = self.rest.split_at(self.rest.len().min(SLICE));
                 self.rest = rest;
-                self.parser.feed(slice, &mut self.scratch);
+                self.parser.feed(slice, &mut self.ready);
             } else if !self.finished {
                 self.finished = true;
-                self.parser.finish(&mut self.scratch);
+                self.parser.finish(&mut self.ready);
             } else {
                 return None;
             }
-            self.ready.extend(self.scratch.drain(..));
+            self.ready.reverse();
         }
     }
 }
