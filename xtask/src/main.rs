@@ -19,6 +19,8 @@
 //!   `bench-update` under torchrun at 1 and 2 ranks (Gloo on CPU, sharded and replicated
 //!   optimizer): tokens/s, communication per step, optimizer memory per rank, with the
 //!   ratios to the one-rank run.
+//! - `cargo xtask bench-gateway [--baseline PATH]`: the sidecar beside nginx, with wrk
+//!   (see `gateway.rs`).
 //! - `cargo xtask bench-memory`: the peak memory of an update step at 1k–16k tokens,
 //!   LoRA and full, with and without recompute, beside the trainer's estimate.
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
@@ -39,6 +41,7 @@ mod assets;
 mod demo;
 mod docs;
 mod fuzz;
+mod gateway;
 mod image;
 mod swe;
 use assets::{
@@ -57,6 +60,9 @@ commands:
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
   bench-dist data-parallel update under torchrun, 1 vs 2 ranks on CPU (flags:
              --preset P --sequences N --seq-len N --steps N)
+  bench-gateway the sidecar beside nginx with wrk: p50 at 1 connection, req/s at
+             64, against nginx direct and as a proxy (flags: --rounds N --secs N
+             --baseline PATH; needs nginx and wrk on PATH)
   bench-memory peak memory of an update against the trainer's estimate, LoRA and
              full, with and without recompute (flags: --preset P --seq-lens
              1024,2048,... --device D)
@@ -80,6 +86,7 @@ fn main() -> anyhow::Result<()> {
         Some("gpu-check") => gpu_check(&root, &args[1..]),
         Some("bench-dist") => bench_dist(&root, &args[1..]),
         Some("bench-memory") => bench_memory(&root, &args[1..]),
+        Some("bench-gateway") => gateway::bench_gateway(&root, &args[1..]),
         Some("fuzz") => {
             let run = fuzz::parse(&args[1..])?;
             let assets = step("test assets", || ensure_assets(&root))?;

@@ -129,7 +129,9 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
         held,
     } = admitted;
     let route = match (&state.policy, &rest) {
-        (Some(policy), None) => policy.route(&model),
+        (Some(policy), None) => policy
+            .route(&model)
+            .map(|current| (current, model.as_str())),
         _ => None,
     };
     if let (Some(policy), Some(_)) = (&state.policy, &route) {
@@ -141,12 +143,7 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     let out = outbound(
         state.config.upstream_kind,
         api,
-        Read {
-            bytes,
-            len,
-            rest,
-            model: model.clone(),
-        },
+        Read { bytes, len, rest },
         route,
         parts.headers,
         move |n| {

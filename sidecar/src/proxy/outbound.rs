@@ -39,17 +39,16 @@ pub(super) struct Read<B> {
     pub(super) bytes: Bytes,
     pub(super) len: usize,
     pub(super) rest: Option<B>,
-    /// The harness's `model`.
-    pub(super) model: String,
 }
 
-/// Builds the outbound request. `route` is the version a call for `read.model` goes to
-/// (`--policy`), `on_forwarded` is told the size of each frame of a body streamed through.
+/// Builds the outbound request. `route` is the version a call for the harness's model
+/// `alias` goes to (`--policy`), `on_forwarded` is told the size of each frame of a body
+/// streamed through.
 pub(super) fn outbound<B>(
     kind: UpstreamKind,
     api: Api,
     read: Read<B>,
-    route: Option<Current>,
+    route: Option<(Current, &str)>,
     mut headers: HeaderMap,
     on_forwarded: impl Fn(usize) + Send + Sync + 'static,
 ) -> Outbound
@@ -59,12 +58,7 @@ where
 {
     remove_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
-    let Read {
-        bytes,
-        len,
-        rest,
-        model,
-    } = read;
+    let Read { bytes, len, rest } = read;
     if let Some(rest) = rest {
         // Only what was read can be sent first; nothing is rewritten.
         let counter = Arc::new(AtomicU64::new(len as u64));
@@ -91,15 +85,15 @@ where
             forwarded: Some(forwarded),
         };
     }
-    let routed = route.and_then(|current| {
+    let routed = route.and_then(|(current, alias)| {
         let body = model_name::set_model(&bytes, &current.served_model)?;
-        Some((current, body))
+        Some((current, alias, body))
     });
     let (bytes, route) = match routed {
-        Some((current, body)) => {
+        Some((current, alias, body)) => {
             let restore = ModelRestore {
                 served: current.served_model,
-                alias: model,
+                alias: alias.to_owned(),
             };
             // The served name is given back in the response's bytes: ask for them plain.
             headers.remove(header::ACCEPT_ENCODING);
@@ -133,7 +127,6 @@ mod tests {
             bytes: Bytes::copy_from_slice(body.as_bytes()),
             len: body.len(),
             rest: None,
-            model: super::super::request::request_model(body.as_bytes()),
         }
     }
 
@@ -189,7 +182,7 @@ mod tests {
             UpstreamKind::Vllm,
             Api::ChatCompletions,
             read(CHAT),
-            Some(current),
+            Some((current, "pol")),
             headers(&[("accept-encoding", "gzip"), ("content-length", "58")]),
             |_| {},
         );
@@ -232,12 +225,14 @@ mod tests {
                 bytes: Bytes::from_static(b"{\"model\":\"pol\""),
                 len: 14,
                 rest: Some(rest),
-                model: String::new(),
             },
-            Some(Current {
-                version: 4,
-                served_model: "pol@v4".to_owned(),
-            }),
+            Some((
+                Current {
+                    version: 4,
+                    served_model: "pol@v4".to_owned(),
+                },
+                "pol",
+            )),
             headers(&[("content-length", "27")]),
             move |n| {
                 seen2.fetch_add(n, Ordering::Relaxed);

@@ -39,7 +39,10 @@ pub(super) fn terminal_event(api: Api) -> Option<Terminal> {
 struct Held {
     ack: Spooled,
     frame: Option<Frame<Bytes>>,
-    /// Gives up waiting after this (policy `drop`); `None` waits as long as it takes.
+    /// Gives up waiting after this long (policy `drop`); `None` waits as long as it
+    /// takes.
+    wait: Option<Duration>,
+    /// The timer of `wait`, made when the ack is first not ready (it usually is).
     timeout: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
@@ -49,8 +52,10 @@ pub(super) struct CaptureBody {
     capture: Option<Capture>,
     rewrite: Rewrite,
     idle_timeout: Duration,
-    /// Fires at the idle deadline; re-armed lazily (resetting a timer per frame is costly).
-    idle: Pin<Box<tokio::time::Sleep>>,
+    /// Fires at the idle deadline; re-armed lazily (resetting a timer per frame is
+    /// costly), and made only when the upstream first keeps the body waiting (most
+    /// JSON answers arrive with their head and never need one).
+    idle: Option<Pin<Box<tokio::time::Sleep>>>,
     /// When the last frame arrived.
     last_frame: tokio::time::Instant,
     /// Watches for the end of the stream's last event (event streams of known APIs).
@@ -76,7 +81,7 @@ impl CaptureBody {
             capture: Some(capture),
             rewrite,
             idle_timeout,
-            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle: None,
             last_frame: tokio::time::Instant::now(),
             terminal,
             held: None,
@@ -104,19 +109,18 @@ impl CaptureBody {
             self.held = Some(Held {
                 ack: Box::pin(std::future::ready(Ok(()))),
                 frame,
+                wait: None,
                 timeout: None,
             });
             return;
         };
-        let timeout = capture
-            .state
-            .ack_wait
-            .map(|d| Box::pin(tokio::time::sleep(d)));
+        let wait = capture.state.ack_wait;
         let ack = capture.finish_acked(Outcome::Ok, None);
         self.held = Some(Held {
             ack,
             frame,
-            timeout,
+            wait,
+            timeout: None,
         });
     }
 
@@ -151,6 +155,12 @@ impl Body for CaptureBody {
         loop {
             if let Some(held) = &mut this.held {
                 let acked = held.ack.as_mut().poll(cx).is_ready();
+                if !acked
+                    && held.timeout.is_none()
+                    && let Some(wait) = held.wait
+                {
+                    held.timeout = Some(Box::pin(tokio::time::sleep(wait)));
+                }
                 let gave_up = !acked
                     && held
                         .timeout
@@ -249,22 +259,30 @@ impl Body for CaptureBody {
                     continue;
                 }
                 Poll::Pending => {
-                    while this.idle.as_mut().poll(cx).is_ready() {
-                        let deadline = this.last_frame + this.idle_timeout;
+                    let deadline = this.last_frame + this.idle_timeout;
+                    let idle = this
+                        .idle
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                    let mut silent = false;
+                    while idle.as_mut().poll(cx).is_ready() {
                         if deadline > tokio::time::Instant::now() {
                             // Frames arrived since the timer was armed: wait the rest.
-                            this.idle.as_mut().reset(deadline);
+                            idle.as_mut().reset(deadline);
                             continue;
                         }
-                        let message = format!(
-                            "upstream sent nothing for {:.0?}; response cut",
-                            this.idle_timeout
-                        );
-                        this.done = true;
-                        this.finish(Outcome::Timeout, Some(message.clone()));
-                        return Poll::Ready(Some(Err(message.into())));
+                        silent = true;
+                        break;
                     }
-                    return Poll::Pending;
+                    if !silent {
+                        return Poll::Pending;
+                    }
+                    let message = format!(
+                        "upstream sent nothing for {:.0?}; response cut",
+                        this.idle_timeout
+                    );
+                    this.done = true;
+                    this.finish(Outcome::Timeout, Some(message.clone()));
+                    return Poll::Ready(Some(Err(message.into())));
                 }
             }
         }
