@@ -33,6 +33,7 @@
 //! detection, the error answer in the API's shape.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use http::header::HeaderValue;
@@ -63,7 +64,7 @@ use admit::{Admitted, NotAdmitted, admit};
 use answer::Undo;
 use capture::{CallGuard, Capture, Spooled, attributed};
 use forward::{Failure, forward};
-use outbound::{Outbound, Read, outbound};
+use outbound::{Read, outbound};
 use request::recorded_headers;
 
 /// Header that carries the span id of a proxied call back to the client.
@@ -78,7 +79,8 @@ pub(super) fn budget_warning(state: &AppState, what: &str) -> String {
     )
 }
 
-/// Proxies one request.
+/// Proxies one request: the stages in order, each returning early with its own answer
+/// when the call ends there.
 pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBody> {
     let started = Instant::now();
     let start_nanos = now_nanos();
@@ -89,37 +91,74 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     };
     let api = target.api;
     state.metrics.request(api);
-    let attribution = state.episodes.attribute(target.hints);
-    let span_id = uuid::Uuid::now_v7().to_string();
-    let path_and_query = target.path_and_query;
-
+    // The record's head: which call, when, and whose.
+    let call = LlmCall {
+        span_id: uuid::Uuid::now_v7().to_string(),
+        api: api as i32,
+        method: parts.method.to_string(),
+        path: target.path_and_query.clone(),
+        start_unix_nanos: start_nanos,
+        ..attributed(
+            &state.episodes.attribute(target.hints),
+            &state.config.sidecar_id,
+        )
+    };
     let admitted = match admit(&state, api, body).await {
         Ok(admitted) => admitted,
         Err(NotAdmitted::Refused(refused)) => return refused,
-        Err(NotAdmitted::ClientGone(error)) => {
-            let call = LlmCall {
-                span_id,
-                api: api as i32,
-                method: parts.method.to_string(),
-                path: path_and_query,
-                start_unix_nanos: start_nanos,
-                end_unix_nanos: now_nanos(),
-                outcome: Outcome::ClientAborted as i32,
-                error: format!("client request body failed: {error}"),
-                ..attributed(&attribution, &state.config.sidecar_id)
-            };
-            state.metrics.outcome(Outcome::ClientAborted);
-            drop(state.sink.submit(RecordKind::LlmCall(call)));
-            return api_error(
-                api,
-                http::StatusCode::BAD_REQUEST,
-                "bad_request",
-                "tapline: request body could not be read",
-            );
-        }
+        Err(NotAdmitted::ClientGone(error)) => return client_gone(&state, call, &error),
     };
+    let (capture, body, headers, undo) = go_out(&state, api, call, admitted, parts.headers);
+    let mut guard = CallGuard::new(capture);
+    let path_and_query = &target.path_and_query;
+    let (response, waited) =
+        match forward(&state, parts.method, path_and_query, body, headers).await {
+            Ok(sent) => sent,
+            Err(failure) => return local_failure(guard.take(), api, failure).await,
+        };
+    match answer::answer(&state, guard, api, response, undo).await {
+        Ok(response) => {
+            state
+                .metrics
+                .added_latency(started.elapsed().saturating_sub(waited));
+            response
+        }
+        Err(failed) => failed,
+    }
+}
 
-    let captured = admitted.captured(state.config.capture_cap_bytes);
+/// The client went away while sending its request: nothing to forward; the call is
+/// recorded as aborted.
+fn client_gone(
+    state: &AppState,
+    mut call: LlmCall,
+    error: &dyn std::fmt::Display,
+) -> Response<RespBody> {
+    call.end_unix_nanos = now_nanos();
+    call.outcome = Outcome::ClientAborted as i32;
+    call.error = format!("client request body failed: {error}");
+    state.metrics.outcome(Outcome::ClientAborted);
+    let api = call.api();
+    drop(state.sink.submit(RecordKind::LlmCall(call)));
+    api_error(
+        api,
+        http::StatusCode::BAD_REQUEST,
+        "bad_request",
+        "tapline: request body could not be read",
+    )
+}
+
+/// Stage 3 with the state: the outbound request for an admitted body, and the call's
+/// capture with what its record keeps of the request.
+fn go_out(
+    state: &Arc<AppState>,
+    api: Api,
+    mut call: LlmCall,
+    admitted: Admitted<Incoming>,
+    headers: http::HeaderMap,
+) -> (Capture, UpBody, http::HeaderMap, Undo) {
+    let cap = state.config.capture_cap_bytes;
+    call.request_body = admitted.captured(cap);
     let Admitted {
         bytes,
         len,
@@ -134,68 +173,39 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
             .map(|current| (current, model.as_str())),
         _ => None,
     };
-    if let (Some(policy), Some(_)) = (&state.policy, &route) {
-        policy
-            .rewrites
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
     let metrics = state.metrics.clone();
+    let on_forwarded = move |n: usize| {
+        metrics.request_bytes.fetch_add(n as u64, Ordering::Relaxed);
+    };
+    let read = Read { bytes, len, rest };
     let out = outbound(
         state.config.upstream_kind,
         api,
-        Read { bytes, len, rest },
+        read,
         route,
-        parts.headers,
-        move |n| {
-            metrics
-                .request_bytes
-                .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-        },
-    );
-    let Outbound {
-        body,
         headers,
-        route,
-        injected,
-        forwarded,
-    } = out;
-
-    let call = LlmCall {
-        span_id,
-        api: api as i32,
-        method: parts.method.to_string(),
-        path: path_and_query.clone(),
-        start_unix_nanos: start_nanos,
-        request_body: captured,
-        request_truncated: len > state.config.capture_cap_bytes || over_budget,
-        request_body_size: len as u64,
-        request_headers: recorded_headers(&headers, &state.config.recorded_headers),
-        request_model: model,
-        token_fields_injected: injected.any(),
-        ..attributed(&attribution, &state.config.sidecar_id)
-    };
-    let mut guard = CallGuard::new(Capture::new(state.clone(), call, forwarded, held));
+        on_forwarded,
+    );
+    if let (Some(policy), Some(_)) = (&state.policy, &out.route) {
+        // Counted once the body names the version (`set_model` found its `model`).
+        policy.rewrites.fetch_add(1, Ordering::Relaxed);
+    }
+    call.request_truncated = len > cap || over_budget;
+    call.request_body_size = len as u64;
+    call.request_headers = recorded_headers(&out.headers, &state.config.recorded_headers);
+    call.request_model = model;
+    call.token_fields_injected = out.injected.any();
     if over_budget {
         state.budget.count_cut();
-        let warning = budget_warning(&state, "request not captured");
-        guard.capture().call.capture_warnings.push(warning);
+        let warning = budget_warning(state, "request not captured");
+        call.capture_warnings.push(warning);
     }
-
-    let (response, waited) =
-        match forward(&state, parts.method, &path_and_query, body, headers).await {
-            Ok(sent) => sent,
-            Err(failure) => return local_failure(guard.take(), api, failure).await,
-        };
-    let undo = Undo { injected, route };
-    match answer::answer(&state, guard, api, response, undo).await {
-        Ok(response) => {
-            state
-                .metrics
-                .added_latency(started.elapsed().saturating_sub(waited));
-            response
-        }
-        Err(failed) => failed,
-    }
+    let capture = Capture::new(state.clone(), call, out.forwarded, held);
+    let undo = Undo {
+        injected: out.injected,
+        route: out.route,
+    };
+    (capture, out.body, out.headers, undo)
 }
 
 /// Waits for a record to reach the spool, at most `wait` (`None`: as long as it takes).
