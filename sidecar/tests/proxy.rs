@@ -499,8 +499,9 @@ async fn vllm_upstreams_return_token_ids_that_the_client_never_sees() {
         (json!(true), json!(true))
     );
     let got: Value = serde_json::from_slice(&body).unwrap();
-    assert!(got.get("prompt_token_ids").is_none());
-    assert!(got["choices"][0].get("token_ids").is_none());
+    // As vLLM 0.32 answers a call without the flag: the id keys present, as null.
+    assert_eq!(got.get("prompt_token_ids"), Some(&Value::Null));
+    assert_eq!(got["choices"][0].get("token_ids"), Some(&Value::Null));
     assert_eq!(got["choices"][0]["logprobs"], Value::Null);
     assert_eq!(got["choices"][0]["message"]["content"], "Hi!");
     assert_eq!(
@@ -520,7 +521,8 @@ async fn vllm_upstreams_return_token_ids_that_the_client_never_sees() {
     )
     .await;
     let text = String::from_utf8(body.to_vec()).unwrap();
-    assert!(!text.contains("token_ids"), "{text}");
+    assert!(!text.contains("token_ids\":["), "{text}");
+    assert!(text.contains("\"prompt_token_ids\":null"), "{text}");
     assert!(!text.contains("logprob\""), "{text}");
     assert!(text.contains("\"content\":\"Hi\"") && text.ends_with("data: [DONE]\n\n"));
 
@@ -533,7 +535,7 @@ async fn vllm_upstreams_return_token_ids_that_the_client_never_sees() {
     .await;
     let got: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(got["choices"][0]["logprobs"]["content"][0]["logprob"], -0.5);
-    assert!(got["choices"][0].get("token_ids").is_none());
+    assert!(got["choices"][0]["token_ids"].is_null());
 
     let calls = calls(&store, 3).await;
     for call in &calls[..2] {
@@ -604,7 +606,7 @@ async fn a_json_answer_too_large_to_rewrite_passes_unchanged_and_is_flagged() {
     assert_eq!(answers[1], padded(120_000).as_bytes());
     // A small one is rewritten as always.
     let small: Value = serde_json::from_slice(&answers[2]).unwrap();
-    assert!(small.get("prompt_token_ids").is_none());
+    assert!(small["prompt_token_ids"].is_null());
     assert_eq!(small["choices"][0]["logprobs"], Value::Null);
 
     let calls = calls(&store, 3).await;
@@ -649,6 +651,85 @@ async fn a_json_answer_too_large_to_rewrite_passes_unchanged_and_is_flagged() {
         small.capture_warnings
     );
     assert_eq!(small.completions[0].token_ids, [9707, 0, 151645]);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn a_compressed_answer_is_asked_for_plain_and_decoded_when_it_comes_anyway() {
+    use std::io::Write as _;
+    let gzip = |text: &str| {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(text.as_bytes()).unwrap();
+        Bytes::from(gz.finish().unwrap())
+    };
+    // An upstream that compresses whatever the request says.
+    let (json, sse) = (gzip(VLLM_JSON), gzip(VLLM_SSE));
+    let upstream = Upstream::start(move |r| {
+        let req: Value = serde_json::from_slice(&r.body).unwrap();
+        let mut script = if req["stream"] == true {
+            Script::sse(vec![sse.clone()])
+        } else {
+            Script::json(json.clone())
+        };
+        script
+            .headers
+            .push(("content-encoding".into(), "gzip".into()));
+        script
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.upstream_kind = Some(UpstreamKind::Vllm)
+    })
+    .await;
+    let client = client();
+    let mut request = post(
+        sidecar.local_addr(),
+        "/v1/chat/completions",
+        chat_request(false),
+    );
+    request
+        .headers_mut()
+        .insert("accept-encoding", "gzip".parse().unwrap());
+    let (status, headers, body) = send(&client, request).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        !upstream.last().headers.contains_key("accept-encoding"),
+        "the answer is asked for plain"
+    );
+    // Compressed anyway: decoded, rewritten, sent plain.
+    assert!(!headers.contains_key("content-encoding"), "{headers:?}");
+    let got: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(got["prompt_token_ids"], Value::Null);
+    assert_eq!(got["choices"][0]["token_ids"], Value::Null);
+    assert_eq!(got["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(got["choices"][0]["message"]["content"], "Hi!");
+
+    // A compressed stream cannot be rewritten event by event: it goes as it came, said.
+    let (status, headers, body) = send(
+        &client,
+        post(
+            sidecar.local_addr(),
+            "/v1/chat/completions",
+            chat_request(true),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(headers["content-encoding"], "gzip");
+    assert_eq!(body, gzip(VLLM_SSE));
+
+    let calls = calls(&store, 2).await;
+    for call in &calls {
+        // Both are recorded with vLLM's ids, from the compressed bytes.
+        assert_eq!(call.prompt_token_ids, [1, 2, 3], "{call:?}");
+        let warned = call
+            .capture_warnings
+            .iter()
+            .any(|w| w.starts_with("response_not_rewritten: the event stream"));
+        assert_eq!(warned, call.streamed, "{:?}", call.capture_warnings);
+    }
     sidecar
         .shutdown(Duration::from_secs(1), Duration::from_secs(1))
         .await;

@@ -27,6 +27,7 @@ use super::request::{read_capped, recorded_headers, remove_hop_by_hop};
 use super::stream::{CaptureBody, terminal_event};
 use super::{SPAN_ID_HEADER, local_failure, wait_spooled};
 use crate::body::{RespBody, full_body};
+use crate::rebuild::decode_content_within;
 use crate::sse::TerminalWatch;
 use crate::state::AppState;
 use crate::upstream::UpstreamBody;
@@ -91,8 +92,8 @@ pub(super) fn record_head(
 /// How a response body reaches the client.
 #[derive(Debug, PartialEq)]
 pub(super) enum Delivery {
-    /// Read whole, rewritten, sent as one: `strip` token fidelity's fields, `restore`
-    /// the harness's model name.
+    /// Read whole (decoded when compressed), rewritten, sent as one: `strip` token
+    /// fidelity's fields, `restore` the harness's model name.
     Whole {
         strip: Option<Injected>,
         restore: Option<ModelRestore>,
@@ -100,27 +101,32 @@ pub(super) enum Delivery {
     /// No body (content-length 0, 204, 304): the call is complete with its head.
     Empty,
     /// Streamed frame by frame, each event rewritten with the SSE rewriter when it
-    /// says so.
+    /// says so; `compressed`: there was something to undo, but the stream is compressed
+    /// and goes unchanged.
     Stream {
         rewrite: Option<(Injected, Option<ModelRestore>)>,
+        compressed: bool,
     },
 }
 
-/// Chooses the delivery. A compressed body is never rewritten; fields the upstream
-/// was asked for are removed only from a successful answer.
+/// Chooses the delivery. Fields the upstream was asked for are removed only from a
+/// successful answer; a compressed JSON answer is decoded to be rewritten, a compressed
+/// stream is not rewritten.
 pub(super) fn delivery(head: Head, status: StatusCode, empty: bool, undo: Undo) -> Delivery {
-    let strip =
-        (undo.injected.any() && status.is_success() && !head.encoded).then_some(undo.injected);
-    let restore = undo.route.map(|(_, r)| r).filter(|_| !head.encoded);
-    if (strip.is_some() || restore.is_some()) && !head.streamed {
+    let strip = (undo.injected.any() && status.is_success()).then_some(undo.injected);
+    let restore = undo.route.map(|(_, r)| r);
+    let undoing = strip.is_some() || restore.is_some();
+    if undoing && !head.streamed {
         return Delivery::Whole { strip, restore };
     }
     if empty {
         return Delivery::Empty;
     }
-    let rewrite =
-        (strip.is_some() || restore.is_some()).then(|| (strip.unwrap_or_default(), restore));
-    Delivery::Stream { rewrite }
+    let rewrite = (undoing && !head.encoded).then(|| (strip.unwrap_or_default(), restore));
+    Delivery::Stream {
+        rewrite,
+        compressed: undoing && head.encoded,
+    }
 }
 
 /// Delivers the upstream's response; `Err` is the sidecar's own answer when the
@@ -150,7 +156,19 @@ pub(super) async fn answer(
             wait_spooled(capture.finish_acked(Outcome::Ok, None), state.ack_wait).await;
             Ok(Response::from_parts(head, full_body(Bytes::new())))
         }
-        Delivery::Stream { rewrite } => {
+        Delivery::Stream {
+            rewrite,
+            compressed,
+        } => {
+            if compressed {
+                let encoding = head.headers.get(header::CONTENT_ENCODING);
+                let warning = format!(
+                    "response_not_rewritten: the event stream was sent as the upstream gave it: it is compressed ({}), and only a JSON answer is decoded to be rewritten",
+                    encoding.map_or(String::new(), |e| String::from_utf8_lossy(e.as_bytes())
+                        .into_owned())
+                );
+                guard.capture().call.capture_warnings.push(warning);
+            }
             let rewrite = match rewrite {
                 Some((injected, restore)) => {
                     head.headers.remove(header::CONTENT_LENGTH);
@@ -244,7 +262,40 @@ async fn whole(
         let body = CaptureBody::new(rest, capture, Rewrite::None, idle, None).after(read.bytes);
         return Ok(Response::from_parts(head, body.boxed_unsync()));
     }
-    let rewritten = rewrite_whole(read.bytes, strip, restore.as_ref());
+    let encoding = head
+        .headers
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .filter(|e| !e.eq_ignore_ascii_case("identity"))
+        .map(str::to_owned);
+    let plain = match &encoding {
+        None => read.bytes,
+        Some(encoding) => {
+            let len = read.len;
+            let decoded = decode_content_within(Some(encoding), &read.bytes, &mut |n| {
+                held.try_grow_to(copies * (len + n) as u64)
+            })
+            .map(|d| Bytes::from(d.into_owned()));
+            match decoded {
+                Ok(decoded) => {
+                    head.headers.remove(header::CONTENT_ENCODING);
+                    decoded
+                }
+                Err(why) => {
+                    // Not decodable within the limits: it goes as it came.
+                    let warning = format!(
+                        "response_not_rewritten: the answer was sent as the upstream gave it: {why}"
+                    );
+                    tracing::warn!(span_id = %capture.call.span_id, "{warning}");
+                    capture.call.capture_warnings.push(warning);
+                    drop(held);
+                    wait_spooled(capture.finish_acked(Outcome::Ok, None), state.ack_wait).await;
+                    return Ok(Response::from_parts(head, full_body(read.bytes)));
+                }
+            }
+        }
+    };
+    let rewritten = rewrite_whole(plain, strip, restore.as_ref());
     drop(held);
     state
         .metrics
@@ -298,6 +349,7 @@ mod tests {
     const IDS: Injected = Injected {
         token_ids: true,
         logprobs: true,
+        ids_null: false,
     };
 
     #[test]
@@ -356,18 +408,13 @@ mod tests {
 
     #[test]
     fn each_answer_is_delivered_the_way_its_rewrites_need() {
-        let json = Head {
-            streamed: false,
-            encoded: false,
-        };
-        let sse = Head {
-            streamed: true,
-            encoded: false,
-        };
-        let gzip = Head {
-            streamed: false,
-            encoded: true,
-        };
+        let head = |streamed, encoded| Head { streamed, encoded };
+        let (json, sse, gzip, gzip_sse) = (
+            head(false, false),
+            head(true, false),
+            head(false, true),
+            head(true, true),
+        );
         let ok = StatusCode::OK;
         let plain = || Undo::default();
         let ids = || Undo {
@@ -378,52 +425,46 @@ mod tests {
             injected: Injected::default(),
             route: Some((2, restore())),
         };
-        assert_eq!(
-            delivery(json, ok, false, plain()),
-            Delivery::Stream { rewrite: None }
-        );
+        let streamed = |rewrite| Delivery::Stream {
+            rewrite,
+            compressed: false,
+        };
+        assert_eq!(delivery(json, ok, false, plain()), streamed(None));
         assert_eq!(delivery(json, ok, true, plain()), Delivery::Empty);
-        assert_eq!(
-            delivery(json, ok, false, ids()),
-            Delivery::Whole {
-                strip: Some(IDS),
-                restore: None
-            }
-        );
+        let whole_ids = Delivery::Whole {
+            strip: Some(IDS),
+            restore: None,
+        };
+        assert_eq!(delivery(json, ok, false, ids()), whole_ids);
         // An error answer has nothing injected to remove; a routed one still has the
         // served name to give back.
         assert_eq!(
             delivery(json, StatusCode::BAD_REQUEST, false, ids()),
-            Delivery::Stream { rewrite: None }
+            streamed(None)
         );
+        let whole_name = Delivery::Whole {
+            strip: None,
+            restore: Some(restore()),
+        };
         assert_eq!(
             delivery(json, StatusCode::BAD_REQUEST, false, routed()),
-            Delivery::Whole {
-                strip: None,
-                restore: Some(restore())
-            }
+            whole_name
         );
-        assert_eq!(
-            delivery(sse, ok, false, ids()),
-            Delivery::Stream {
-                rewrite: Some((IDS, None))
-            }
-        );
+        assert_eq!(delivery(sse, ok, false, ids()), streamed(Some((IDS, None))));
         assert_eq!(
             delivery(sse, ok, false, routed()),
-            Delivery::Stream {
-                rewrite: Some((Injected::default(), Some(restore())))
-            }
+            streamed(Some((Injected::default(), Some(restore()))))
         );
-        // Compressed bytes are never rewritten.
-        assert_eq!(
-            delivery(gzip, ok, false, ids()),
-            Delivery::Stream { rewrite: None }
-        );
-        assert_eq!(
-            delivery(gzip, ok, false, routed()),
-            Delivery::Stream { rewrite: None }
-        );
+        // A compressed JSON answer is decoded to be rewritten; a compressed stream goes
+        // unchanged, and says so.
+        assert_eq!(delivery(gzip, ok, false, ids()), whole_ids);
+        assert_eq!(delivery(gzip, ok, false, routed()), whole_name);
+        let unchanged = Delivery::Stream {
+            rewrite: None,
+            compressed: true,
+        };
+        assert_eq!(delivery(gzip_sse, ok, false, ids()), unchanged);
+        assert_eq!(delivery(gzip_sse, ok, false, plain()), streamed(None));
     }
 
     #[test]
@@ -444,6 +485,21 @@ mod tests {
         assert_eq!(
             String::from_utf8_lossy(&named),
             String::from_utf8_lossy(&body).replace("pol@v2", "pol")
+        );
+        // vLLM: the id keys stay, as null, as a direct call without the flag shows them.
+        let vllm = Injected {
+            ids_null: true,
+            ..IDS
+        };
+        let v: Value =
+            serde_json::from_slice(&rewrite_whole(body.clone(), Some(vllm), None)).unwrap();
+        assert!(v["prompt_token_ids"].is_null() && v.get("prompt_token_ids").is_some());
+        assert!(
+            v["choices"][0]["token_ids"].is_null() && v["choices"][0].get("token_ids").is_some()
+        );
+        assert!(
+            v["choices"][0].get("prompt_token_ids").is_none(),
+            "no key is added"
         );
         // What is not JSON goes as it came.
         let text = Bytes::from_static(b"upstream overloaded");

@@ -14,10 +14,13 @@ use crate::sse::{LineFramer, Piece};
 /// What the sidecar asked the upstream for on its own, to be removed from the response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Injected {
-    /// `return_token_ids` was added: remove `prompt_token_ids` and `token_ids`.
+    /// `return_token_ids` was added: take `prompt_token_ids` and `token_ids` back out.
     pub token_ids: bool,
     /// `logprobs` was added: set `choices[].logprobs` to null.
     pub logprobs: bool,
+    /// The upstream sends the id keys as `null` when not asked (vLLM 0.32): they are set
+    /// to `null`, not removed, so the harness gets the fields a direct call returns.
+    pub ids_null: bool,
 }
 
 impl Injected {
@@ -42,6 +45,7 @@ pub fn inject(kind: UpstreamKind, api: Api, body: &[u8]) -> Option<(Bytes, Injec
     if ids_possible && !obj.contains_key("return_token_ids") {
         obj.insert("return_token_ids".into(), Value::Bool(true));
         injected.token_ids = true;
+        injected.ids_null = kind == UpstreamKind::Vllm;
     }
     let asked_logprobs = match obj.get("logprobs") {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
@@ -69,14 +73,27 @@ pub fn strip_injected(value: &mut Value, injected: Injected) -> bool {
         return false;
     };
     let mut changed = false;
+    let take_ids = |obj: &mut serde_json::Map<String, Value>, key: &str| {
+        if injected.ids_null {
+            match obj.get_mut(key) {
+                Some(v) if !v.is_null() => {
+                    *v = Value::Null;
+                    true
+                }
+                _ => false,
+            }
+        } else {
+            obj.shift_remove(key).is_some()
+        }
+    };
     if injected.token_ids {
-        changed |= obj.shift_remove("prompt_token_ids").is_some();
+        changed |= take_ids(obj, "prompt_token_ids");
     }
     if let Some(Value::Array(choices)) = obj.get_mut("choices") {
         for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
             if injected.token_ids {
-                changed |= choice.shift_remove("token_ids").is_some();
-                changed |= choice.shift_remove("prompt_token_ids").is_some();
+                changed |= take_ids(choice, "token_ids");
+                changed |= take_ids(choice, "prompt_token_ids");
             }
             if injected.logprobs
                 && let Some(lp) = choice.get_mut("logprobs")
@@ -235,7 +252,8 @@ mod tests {
             inj,
             Injected {
                 token_ids: true,
-                logprobs: false
+                logprobs: false,
+                ids_null: true,
             }
         );
         let v: Value = serde_json::from_slice(&new).unwrap();
@@ -252,7 +270,8 @@ mod tests {
             inj,
             Injected {
                 token_ids: false,
-                logprobs: true
+                logprobs: true,
+                ids_null: false,
             }
         );
         assert!(!String::from_utf8_lossy(&new).contains("return_token_ids"));
@@ -269,6 +288,7 @@ mod tests {
         let injected = Injected {
             token_ids: true,
             logprobs: true,
+            ids_null: false,
         };
         let whole = {
             let mut r = SseRewriter::new(injected, None);
@@ -295,6 +315,7 @@ mod tests {
         let injected = Injected {
             token_ids: true,
             logprobs: false,
+            ids_null: false,
         };
         let mut r = SseRewriter::new(injected, None);
         assert_eq!(&r.push(b": keep-alive\r\n")[..], b"");

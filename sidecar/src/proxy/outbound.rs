@@ -95,8 +95,6 @@ where
                 served: current.served_model,
                 alias: alias.to_owned(),
             };
-            // The served name is given back in the response's bytes: ask for them plain.
-            headers.remove(header::ACCEPT_ENCODING);
             (body, Some((current.version, restore)))
         }
         None => (bytes, None),
@@ -107,6 +105,9 @@ where
     };
     if route.is_some() || injected.any() {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        // What is undone in the answer is undone in its bytes: ask for them plain (an
+        // answer compressed anyway is decoded first when it is JSON).
+        headers.remove(header::ACCEPT_ENCODING);
     }
     Outbound {
         body: full_body(bytes),

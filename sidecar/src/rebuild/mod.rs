@@ -199,7 +199,7 @@ pub fn decode_content<'a>(encoding: Option<&str>, body: &'a [u8]) -> Result<Cow<
 }
 
 /// [`decode_content`], asking `room` for each size the decoded body grows to.
-fn decode_content_within<'a>(
+pub(crate) fn decode_content_within<'a>(
     encoding: Option<&str>,
     body: &'a [u8],
     room: &mut dyn FnMut(usize) -> bool,
