@@ -3,7 +3,8 @@
 //! `TAPLINE_VLLM_MODEL`). `cargo test` leaves it out (`test = false`); run on its own
 //! without the server, every test fails, naming what to run.
 //!
-//! Greedy decoding makes a call repeatable, so what the harness gets through the
+//! Not here: tool calls (SmolLM2's chat template has no tools, and vLLM runs without a
+//! tool parser). Greedy decoding makes a call repeatable, so what the harness gets through the
 //! sidecar is compared with what the same request sent straight to vLLM returns, field
 //! for field (less `id` and `created`, which differ per call).
 
@@ -39,12 +40,22 @@ async fn call(base: &str, path: &str, body: &Value) -> (StatusCode, Value) {
     (status, value)
 }
 
-/// An answer less what differs between two calls of the same request.
+/// An answer less what differs between two calls of the same request: ids and
+/// creation times, at any depth (the Responses API gives each output item an id).
 fn comparable(mut v: Value) -> Value {
-    if let Some(obj) = v.as_object_mut() {
-        obj.remove("id");
-        obj.remove("created");
+    fn strip(v: &mut Value) {
+        match v {
+            Value::Object(obj) => {
+                for key in ["id", "created", "created_at"] {
+                    obj.remove(key);
+                }
+                obj.values_mut().for_each(strip);
+            }
+            Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
     }
+    strip(&mut v);
     v
 }
 
@@ -59,6 +70,14 @@ fn streamed_text(body: &str) -> String {
                 .as_str()
                 .map(str::to_owned)
         })
+        .collect()
+}
+
+/// The `data:` events of a stream as JSON, less what differs per call.
+fn events(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).map_or_else(|_| Value::String(d.to_owned()), comparable))
         .collect()
 }
 
@@ -136,6 +155,9 @@ async fn chat_through_the_sidecar_is_what_vllm_answers_and_records_its_ids() {
     let (direct, got) = (direct.as_str().unwrap(), got.as_str().unwrap());
     assert!(!streamed_text(got).is_empty(), "{got}");
     assert_eq!(streamed_text(got), streamed_text(direct));
+    // Event for event the same fields, the id keys null where vLLM sends them null.
+    assert_eq!(events(got), events(direct));
+    assert!(got.contains("\"prompt_token_ids\":null"), "{got}");
     assert!(!got.contains("token_ids\":["), "{got}");
     assert!(got.trim_end().ends_with("data: [DONE]"), "{got}");
 
@@ -216,6 +238,49 @@ async fn what_vllm_refuses_reaches_the_harness_unchanged() {
             c.completions.iter().all(|k| k.token_ids.is_empty()),
             "{c:?}"
         );
+    }
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
+async fn responses_and_anthropic_messages_pass_unchanged_and_are_recorded_from_text() {
+    // vLLM 0.32 serves both; it returns no token ids on them, and the sidecar asks for
+    // none: the trainer builds these calls' tokens from the chat template.
+    let (url, model) = vllm();
+    let (sidecar, store) = sidecar(&url, |raw| {
+        raw.upstream_kind = Some(UpstreamKind::Vllm);
+        raw.response_timeout_secs = Some(300.0);
+    })
+    .await;
+    let through = format!("http://{}", sidecar.local_addr());
+    let responses =
+        json!({"model": model, "input": "Say hi", "max_output_tokens": 8, "temperature": 0});
+    let messages = json!({"model": model, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hi"}]});
+    let mut texts = Vec::new();
+    for (path, request) in [("/v1/responses", &responses), ("/v1/messages", &messages)] {
+        let (status, direct) = call(&url, path, request).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {direct}");
+        let (status, got) = call(&through, path, request).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {got}");
+        assert_eq!(comparable(got.clone()), comparable(direct), "{path}");
+        let text = match path {
+            "/v1/responses" => got["output"][0]["content"][0]["text"].clone(),
+            _ => got["content"][0]["text"].clone(),
+        };
+        texts.push((path, text.as_str().unwrap_or_default().to_owned()));
+    }
+    let calls = calls(&store, 2).await;
+    for (path, text) in texts {
+        let c = calls.iter().find(|c| c.path == path).unwrap();
+        assert!(!text.is_empty(), "{path}");
+        assert!(!c.token_fields_injected, "{c:?}");
+        assert_eq!(c.outcome(), tapline_proto::Outcome::Ok, "{c:?}");
+        assert_eq!(c.completions.len(), 1, "{c:?}");
+        assert_eq!(c.completions[0].text, text, "{path}");
+        assert!(c.completions[0].token_ids.is_empty() && c.prompt_token_ids.is_empty());
     }
     sidecar
         .shutdown(Duration::from_secs(1), Duration::from_secs(1))
