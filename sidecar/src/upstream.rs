@@ -392,8 +392,13 @@ impl Body for UpstreamBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.stashed.is_some() || self.ended {
+        // Nothing more comes when the body ended, or when what is stashed is its end; a
+        // stashed error or trailers are still to come.
+        if self.ended || matches!(self.stashed, Some(None)) {
             return SizeHint::with_exact(0);
+        }
+        if self.stashed.is_some() {
+            return SizeHint::default();
         }
         self.inner.size_hint()
     }

@@ -736,6 +736,35 @@ async fn a_compressed_answer_is_asked_for_plain_and_decoded_when_it_comes_anyway
 }
 
 #[tokio::test]
+async fn a_client_gone_while_its_answer_is_read_for_rewriting_is_recorded_aborted() {
+    // The answer's second half comes a second later; the client gives up before.
+    let (head, tail) = VLLM_JSON.split_at(VLLM_JSON.len() / 2);
+    let (head, tail) = (Bytes::from(head.to_owned()), Bytes::from(tail.to_owned()));
+    let upstream = Upstream::start(move |_| Script {
+        chunks: vec![head.clone(), tail.clone()],
+        chunk_delay: Duration::from_secs(1),
+        ..Script::json(Bytes::new())
+    })
+    .await;
+    let (sidecar, store) = sidecar(&upstream.url(), |raw| {
+        raw.upstream_kind = Some(UpstreamKind::Vllm)
+    })
+    .await;
+    let request = post(
+        sidecar.local_addr(),
+        "/v1/chat/completions",
+        chat_request(false),
+    );
+    let gave_up = tokio::time::timeout(Duration::from_millis(300), client().request(request)).await;
+    assert!(gave_up.is_err(), "the answer cannot have come yet");
+    let calls = calls(&store, 1).await;
+    assert_eq!(calls[0].outcome(), Outcome::ClientAborted, "{:?}", calls[0]);
+    sidecar
+        .shutdown(Duration::from_secs(1), Duration::from_secs(1))
+        .await;
+}
+
+#[tokio::test]
 async fn openai_upstreams_get_nothing_injected() {
     let upstream = Upstream::start(|_| Script::json(CHAT_JSON)).await;
     let (sidecar, store) = sidecar(&upstream.url(), |_| {}).await;

@@ -27,7 +27,7 @@ use super::request::{read_capped, recorded_headers, remove_hop_by_hop};
 use super::stream::{CaptureBody, terminal_event};
 use super::{SPAN_ID_HEADER, local_failure, wait_spooled};
 use crate::body::{RespBody, full_body};
-use crate::rebuild::decode_content_within;
+use crate::rebuild::{Truncated, decode_content_within};
 use crate::sse::TerminalWatch;
 use crate::state::AppState;
 use crate::upstream::UpstreamBody;
@@ -148,7 +148,7 @@ pub(super) async fn answer(
     );
     match delivery(shape, head.status, body.is_end_stream(), undo) {
         Delivery::Whole { strip, restore } => {
-            whole(state, guard.take(), api, head, body, strip, restore).await
+            whole(state, guard, api, head, body, strip, restore).await
         }
         Delivery::Empty => {
             // hyper will not poll an empty body: the call is complete now.
@@ -200,10 +200,11 @@ pub(super) fn rewrite_copies(strip: bool) -> u64 {
 }
 
 /// Reads a JSON answer to rewrite it, or, when it is over the cap or the budget, passes
-/// it on unchanged.
+/// it on unchanged. The record comes first: the answer is read holding one copy, the
+/// capture takes its own, and only then are the rewrite's copies asked for.
 async fn whole(
     state: &Arc<AppState>,
-    mut capture: Capture,
+    mut guard: CallGuard,
     api: Api,
     mut head: Parts,
     body: UpstreamBody,
@@ -215,52 +216,52 @@ async fn whole(
     let copies = rewrite_copies(strip.is_some());
     let declared = body.size_hint().exact();
     let mut held = state.budget.empty();
+    // While this reads, the guard records a client that goes away as aborted.
     let read = tokio::time::timeout(
         idle,
-        read_capped(body, cap, &mut |len| held.try_grow_to(copies * len as u64)),
+        read_capped(body, cap, &mut |len| held.try_grow_to(len as u64)),
     )
     .await;
     let read = match read {
         Ok(Ok(read)) => read,
         Ok(Err(error)) => {
+            drop(held);
             let failure = Failure::body(&state.upstream_base, &error);
-            return Err(local_failure(capture, api, failure).await);
+            return Err(local_failure(guard.take(), api, failure).await);
         }
         Err(_) => {
+            drop(held);
             let failure = Failure::timeout(&state.upstream_base, "no body", idle);
-            return Err(local_failure(capture, api, failure).await);
+            return Err(local_failure(guard.take(), api, failure).await);
         }
     };
+    let mut capture = guard.take();
     capture.push(&read.bytes);
+    let left = left_in(strip.as_ref(), restore.as_ref());
     if let Some(rest) = read.rest {
-        // Too large to rewrite here: it goes as it came, and its record says what the
+        // Too large to read whole: it goes as it came, and its record says what the
         // harness got that it did not ask for.
         let over_cap = read.len > cap || declared.is_some_and(|d| d > cap as u64);
         let why = if over_cap {
             format!("it is larger than the capture cap ({cap} bytes)")
         } else {
             format!(
-                "the memory budget ({} bytes) could not hold {copies} copies of it",
+                "the memory budget ({} bytes) could not hold it",
                 state.budget.limit()
             )
         };
-        let left = match (&strip, &restore) {
-            (Some(_), Some(r)) => format!(
-                "token ids and log-probs the harness did not ask for, and the served model name {}",
-                r.served
-            ),
-            (Some(_), None) => "token ids and log-probs the harness did not ask for".to_owned(),
-            (None, Some(r)) => format!("the served model name {}", r.served),
-            (None, None) => String::new(),
-        };
-        let warning = format!(
-            "response_not_rewritten: the answer was sent as the upstream gave it, with {left}: {why}"
-        );
-        tracing::warn!(span_id = %capture.call.span_id, "{warning}");
-        capture.call.capture_warnings.push(warning);
+        not_rewritten(&mut capture, &format!("with {left}: {why}"));
         drop(held);
         let body = CaptureBody::new(rest, capture, Rewrite::None, idle, None).after(read.bytes);
         return Ok(Response::from_parts(head, body.boxed_unsync()));
+    }
+    if !held.try_grow_to(copies * read.len as u64) {
+        let why = format!(
+            "with {left}: the memory budget ({} bytes) could not hold {copies} copies of it",
+            state.budget.limit()
+        );
+        drop(held);
+        return Ok(unchanged(state, capture, head, read.bytes, &why).await);
     }
     let encoding = head
         .headers
@@ -272,10 +273,11 @@ async fn whole(
         None => read.bytes,
         Some(encoding) => {
             let len = read.len;
-            let decoded = decode_content_within(Some(encoding), &read.bytes, &mut |n| {
-                held.try_grow_to(copies * (len + n) as u64)
-            })
-            .map(|d| Bytes::from(d.into_owned()));
+            let decoded =
+                decode_content_within(Some(encoding), &read.bytes, Truncated::Refuse, &mut |n| {
+                    held.try_grow_to(copies * (len + n) as u64)
+                })
+                .map(|d| Bytes::from(d.into_owned()));
             match decoded {
                 Ok(decoded) => {
                     head.headers.remove(header::CONTENT_ENCODING);
@@ -283,14 +285,9 @@ async fn whole(
                 }
                 Err(why) => {
                     // Not decodable within the limits: it goes as it came.
-                    let warning = format!(
-                        "response_not_rewritten: the answer was sent as the upstream gave it: {why}"
-                    );
-                    tracing::warn!(span_id = %capture.call.span_id, "{warning}");
-                    capture.call.capture_warnings.push(warning);
                     drop(held);
-                    wait_spooled(capture.finish_acked(Outcome::Ok, None), state.ack_wait).await;
-                    return Ok(Response::from_parts(head, full_body(read.bytes)));
+                    let why = format!("with {left}: {why}");
+                    return Ok(unchanged(state, capture, head, read.bytes, &why).await);
                 }
             }
         }
@@ -304,6 +301,44 @@ async fn whole(
     head.headers.remove(header::CONTENT_LENGTH);
     wait_spooled(capture.finish_acked(Outcome::Ok, None), state.ack_wait).await;
     Ok(Response::from_parts(head, full_body(rewritten)))
+}
+
+/// What the harness gets that it did not ask for when an answer is not rewritten.
+fn left_in(strip: Option<&Injected>, restore: Option<&ModelRestore>) -> String {
+    match (strip, restore) {
+        (Some(_), Some(r)) => format!(
+            "token ids and log-probs the harness did not ask for, and the served model name {}",
+            r.served
+        ),
+        (Some(_), None) => "token ids and log-probs the harness did not ask for".to_owned(),
+        (None, Some(r)) => format!("the served model name {}", r.served),
+        (None, None) => "nothing changed".to_owned(),
+    }
+}
+
+/// Flags a call whose answer was sent as the upstream gave it.
+fn not_rewritten(capture: &mut Capture, why: &str) {
+    let warning =
+        format!("response_not_rewritten: the answer was sent as the upstream gave it, {why}");
+    tracing::warn!(span_id = %capture.call.span_id, "{warning}");
+    capture.call.capture_warnings.push(warning);
+}
+
+/// Sends a whole answer as it came, once its record (flagged) is spooled.
+async fn unchanged(
+    state: &AppState,
+    mut capture: Capture,
+    head: Parts,
+    bytes: Bytes,
+    why: &str,
+) -> Response<RespBody> {
+    not_rewritten(&mut capture, why);
+    state
+        .metrics
+        .response_bytes
+        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    wait_spooled(capture.finish_acked(Outcome::Ok, None), state.ack_wait).await;
+    Response::from_parts(head, full_body(bytes))
 }
 
 /// A whole JSON answer with token fidelity's fields removed (`strip`) and the harness's

@@ -127,7 +127,7 @@ pub fn complete_within(call: &mut LlmCall, room: &mut dyn FnMut(usize) -> bool) 
             .response_headers
             .get("content-encoding")
             .map(String::as_str);
-        match decode_content_within(encoding, &call.response_body, room) {
+        match decode_content_within(encoding, &call.response_body, Truncated::Keep, room) {
             Ok(decoded) => {
                 let rebuilt = rebuild(api, call.streamed, &decoded);
                 call.completions = rebuilt.completions;
@@ -195,13 +195,23 @@ pub const MAX_DECODED_BYTES: usize = 128 << 20;
 /// `Err` with a message). Accepts a truncated stream by returning what decoded (`Ok`) —
 /// callers flag truncation. Corrupt data is an `Err`.
 pub fn decode_content<'a>(encoding: Option<&str>, body: &'a [u8]) -> Result<Cow<'a, [u8]>, String> {
-    decode_content_within(encoding, body, &mut |_| true)
+    decode_content_within(encoding, body, Truncated::Keep, &mut |_| true)
+}
+
+/// What a decoder does at a premature end of its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Truncated {
+    /// Keep what decoded (a record's body: the caller flags the truncation).
+    Keep,
+    /// An error (a body to be sent on as if complete).
+    Refuse,
 }
 
 /// [`decode_content`], asking `room` for each size the decoded body grows to.
 pub(crate) fn decode_content_within<'a>(
     encoding: Option<&str>,
     body: &'a [u8],
+    truncated: Truncated,
     room: &mut dyn FnMut(usize) -> bool,
 ) -> Result<Cow<'a, [u8]>, String> {
     let mut data = Cow::Borrowed(body);
@@ -215,7 +225,7 @@ pub(crate) fn decode_content_within<'a>(
         .collect();
     // Codings are listed in the order they were applied: undo them from the last.
     for coding in codings.iter().rev() {
-        let decoded = decode_one(coding, &data, room)?;
+        let decoded = decode_one(coding, &data, truncated, room)?;
         data = Cow::Owned(decoded);
     }
     Ok(data)
@@ -224,22 +234,38 @@ pub(crate) fn decode_content_within<'a>(
 fn decode_one(
     coding: &str,
     body: &[u8],
+    truncated: Truncated,
     room: &mut dyn FnMut(usize) -> bool,
 ) -> Result<Vec<u8>, String> {
     match coding {
-        "gzip" | "x-gzip" => read_lenient(flate2::read::MultiGzDecoder::new(body), coding, room),
+        "gzip" | "x-gzip" => read_lenient(
+            flate2::read::MultiGzDecoder::new(body),
+            coding,
+            truncated,
+            room,
+        ),
         "deflate" => {
             // HTTP `deflate` is zlib-wrapped, but some servers send raw deflate.
             if looks_like_zlib(body) {
-                read_lenient(flate2::read::ZlibDecoder::new(body), coding, room)
+                read_lenient(
+                    flate2::read::ZlibDecoder::new(body),
+                    coding,
+                    truncated,
+                    room,
+                )
             } else {
-                read_lenient(flate2::read::DeflateDecoder::new(body), coding, room)
+                read_lenient(
+                    flate2::read::DeflateDecoder::new(body),
+                    coding,
+                    truncated,
+                    room,
+                )
             }
         }
         "zstd" => {
             let decoder = zstd::stream::read::Decoder::new(body)
                 .map_err(|e| format!("content-encoding zstd: {e}"))?;
-            read_lenient(decoder, coding, room)
+            read_lenient(decoder, coding, truncated, room)
         }
         other => Err(format!("unsupported content-encoding {other:?}")),
     }
@@ -252,10 +278,12 @@ fn looks_like_zlib(body: &[u8]) -> bool {
     }
 }
 
-/// Reads a decoder to its end; a premature end of input (truncation) keeps what decoded.
+/// Reads a decoder to its end; a premature end of input (truncation) keeps what decoded,
+/// or is an error (`Truncated::Refuse`).
 fn read_lenient(
     mut reader: impl Read,
     coding: &str,
+    truncated: Truncated,
     room: &mut dyn FnMut(usize) -> bool,
 ) -> Result<Vec<u8>, String> {
     let mut out = Vec::new();
@@ -278,7 +306,12 @@ fn read_lenient(
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(out),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::UnexpectedEof
+                    && truncated == Truncated::Keep =>
+            {
+                return Ok(out);
+            }
             Err(e) => return Err(format!("content-encoding {coding}: {e}")),
         }
     }
