@@ -17,6 +17,7 @@ use http::StatusCode;
 use serde_json::{Value, json};
 use tapline_proto::LlmCall;
 use tapline_sidecar::config::UpstreamKind;
+use tapline_sidecar::server::Sidecar;
 
 fn vllm() -> (String, String) {
     let url = std::env::var("TAPLINE_VLLM_URL").unwrap_or_else(|_| {
@@ -24,6 +25,34 @@ fn vllm() -> (String, String) {
     });
     let model = std::env::var("TAPLINE_VLLM_MODEL").unwrap_or_else(|_| "smol".to_owned());
     (url, model)
+}
+
+/// The vLLM server under test and a sidecar in front of it (`--upstream-kind vllm`).
+struct Vllm {
+    url: String,
+    model: String,
+    sidecar: Sidecar,
+    store: String,
+    /// The sidecar's base URL.
+    through: String,
+}
+
+async fn vllm_sidecar() -> Vllm {
+    let (url, model) = vllm();
+    let (sidecar, store) = sidecar(&url, |raw| {
+        raw.upstream_kind = Some(UpstreamKind::Vllm);
+        // vLLM on 2 CPU cores: a first call can wait on its warm-up.
+        raw.response_timeout_secs = Some(300.0);
+    })
+    .await;
+    let through = format!("http://{}", sidecar.local_addr());
+    Vllm {
+        url,
+        model,
+        sidecar,
+        store,
+        through,
+    }
 }
 
 /// POSTs `body` to `base` + `path`; the status and the body as JSON (or a string).
@@ -116,13 +145,13 @@ fn assert_engine_tokens(call: &LlmCall, choices: usize) {
 
 #[tokio::test]
 async fn chat_through_the_sidecar_is_what_vllm_answers_and_records_its_ids() {
-    let (url, model) = vllm();
-    let (sidecar, store) = sidecar(&url, |raw| {
-        raw.upstream_kind = Some(UpstreamKind::Vllm);
-        raw.response_timeout_secs = Some(300.0);
-    })
-    .await;
-    let through = format!("http://{}", sidecar.local_addr());
+    let Vllm {
+        url,
+        model,
+        sidecar,
+        store,
+        through,
+    } = vllm_sidecar().await;
 
     // Plain, the harness asking for nothing: the same fields as a direct call, the
     // id keys null as vLLM sends them.
@@ -179,13 +208,13 @@ async fn chat_through_the_sidecar_is_what_vllm_answers_and_records_its_ids() {
 
 #[tokio::test]
 async fn completions_and_several_choices_record_every_sample() {
-    let (url, model) = vllm();
-    let (sidecar, store) = sidecar(&url, |raw| {
-        raw.upstream_kind = Some(UpstreamKind::Vllm);
-        raw.response_timeout_secs = Some(300.0);
-    })
-    .await;
-    let through = format!("http://{}", sidecar.local_addr());
+    let Vllm {
+        url,
+        model,
+        sidecar,
+        store,
+        through,
+    } = vllm_sidecar().await;
 
     let request = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0});
     let (_, direct) = call(&url, "/v1/completions", &request).await;
@@ -214,13 +243,13 @@ async fn completions_and_several_choices_record_every_sample() {
 
 #[tokio::test]
 async fn what_vllm_refuses_reaches_the_harness_unchanged() {
-    let (url, model) = vllm();
-    let (sidecar, store) = sidecar(&url, |raw| {
-        raw.upstream_kind = Some(UpstreamKind::Vllm);
-        raw.response_timeout_secs = Some(300.0);
-    })
-    .await;
-    let through = format!("http://{}", sidecar.local_addr());
+    let Vllm {
+        url,
+        model,
+        sidecar,
+        store,
+        through,
+    } = vllm_sidecar().await;
     for request in [
         chat("no-such-model", json!({})),
         // Longer than --max-model-len 2048.
@@ -248,13 +277,13 @@ async fn what_vllm_refuses_reaches_the_harness_unchanged() {
 async fn responses_and_anthropic_messages_pass_unchanged_and_are_recorded_from_text() {
     // vLLM 0.32 serves both; it returns no token ids on them, and the sidecar asks for
     // none: the trainer builds these calls' tokens from the chat template.
-    let (url, model) = vllm();
-    let (sidecar, store) = sidecar(&url, |raw| {
-        raw.upstream_kind = Some(UpstreamKind::Vllm);
-        raw.response_timeout_secs = Some(300.0);
-    })
-    .await;
-    let through = format!("http://{}", sidecar.local_addr());
+    let Vllm {
+        url,
+        model,
+        sidecar,
+        store,
+        through,
+    } = vllm_sidecar().await;
     let responses =
         json!({"model": model, "input": "Say hi", "max_output_tokens": 8, "temperature": 0});
     let messages = json!({"model": model, "max_tokens": 8, "temperature": 0,

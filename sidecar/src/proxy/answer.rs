@@ -20,17 +20,19 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 use tapline_proto::{Api, LlmCall, Outcome};
 
-use super::capture::{CallGuard, Capture};
+use super::capture::{CallGuard, Capture, wait_spooled};
 use super::fidelity::{Injected, ModelRestore, Rewrite, SseRewriter, strip_injected};
 use super::forward::Failure;
-use super::request::{read_capped, recorded_headers, remove_hop_by_hop};
+use super::request::{api_error, read_capped, recorded_headers, remove_hop_by_hop};
 use super::stream::{CaptureBody, terminal_event};
-use super::{SPAN_ID_HEADER, local_failure, wait_spooled};
 use crate::body::{RespBody, full_body};
 use crate::rebuild::{Truncated, decode_content_within};
 use crate::sse::TerminalWatch;
 use crate::state::AppState;
 use crate::upstream::UpstreamBody;
+
+/// Header that carries the span id of a proxied call back to the client.
+pub const SPAN_ID_HEADER: &str = "x-tapline-span-id";
 
 /// What the answer must have undone of the outbound rewrites.
 #[derive(Debug, Default)]
@@ -360,6 +362,29 @@ pub(super) fn rewrite_whole(
         Some(restore) => restore.apply(body),
         None => body,
     }
+}
+
+/// Answers for the upstream (502/504/400) and records the call with that outcome.
+pub(super) async fn local_failure(
+    mut capture: Capture,
+    api: Api,
+    failure: Failure,
+) -> Response<RespBody> {
+    let Failure {
+        status,
+        outcome,
+        code,
+        message,
+    } = failure;
+    tracing::warn!(upstream = %capture.state.upstream_base, %status, "{message}");
+    let mut resp = api_error(api, status, code, &message);
+    if let Ok(v) = HeaderValue::from_str(&capture.call.span_id) {
+        resp.headers_mut().insert(SPAN_ID_HEADER, v);
+    }
+    capture.call.http_status = u32::from(status.as_u16());
+    let wait = capture.state.ack_wait;
+    wait_spooled(capture.finish_acked(outcome, Some(message)), wait).await;
+    resp
 }
 
 #[cfg(test)]

@@ -5,8 +5,9 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use tapline_proto::{LlmCall, Outcome, RecordKind};
+use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
 
 use crate::budget::Reservation;
 use crate::clock::now_nanos;
@@ -132,7 +133,7 @@ impl Capture {
                     {
                         self.state.budget.count_cut();
                     }
-                    let warning = super::budget_warning(
+                    let warning = budget_warning(
                         &self.state,
                         &format!("response capture cut at {} bytes", self.body.len()),
                     );
@@ -212,9 +213,22 @@ impl Capture {
     }
 }
 
-/// A record with what the attribution says (episode, task, group, sequence, tags).
-pub(super) fn attributed(a: &Attribution, sidecar_id: &str) -> LlmCall {
+/// A call's record as it starts: a new span id, which call (API, method, path), when it
+/// started, and whose (what the attribution says: episode, task, group, sequence, tags).
+pub(super) fn call_head(
+    a: &Attribution,
+    sidecar_id: &str,
+    api: Api,
+    method: &http::Method,
+    path: &str,
+    start_unix_nanos: i64,
+) -> LlmCall {
     LlmCall {
+        span_id: uuid::Uuid::now_v7().to_string(),
+        api: api as i32,
+        method: method.to_string(),
+        path: path.to_owned(),
+        start_unix_nanos,
         episode_id: a.episode_id.clone(),
         task_id: a.task_id.clone(),
         group_id: a.group_id.clone(),
@@ -222,5 +236,28 @@ pub(super) fn attributed(a: &Attribution, sidecar_id: &str) -> LlmCall {
         sidecar_id: sidecar_id.to_owned(),
         tags: a.tags.clone(),
         ..Default::default()
+    }
+}
+
+/// The capture warning of a call the memory budget cut.
+pub(super) fn budget_warning(state: &AppState, what: &str) -> String {
+    format!(
+        "memory_budget: {what}: {} of the {} bytes of --memory-budget-bytes were held by calls in flight and the segment builder",
+        state.budget.used(),
+        state.budget.limit()
+    )
+}
+
+/// Waits for a record to reach the spool, at most `wait` (`None`: as long as it takes).
+pub(super) async fn wait_spooled(spooled: Spooled, wait: Option<Duration>) {
+    match wait {
+        Some(wait) => {
+            if tokio::time::timeout(wait, spooled).await.is_err() {
+                tracing::warn!("record not spooled in time; answering anyway");
+            }
+        }
+        None => {
+            let _ = spooled.await;
+        }
     }
 }

@@ -34,9 +34,8 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use http::header::HeaderValue;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use tapline_proto::{Api, LlmCall, Outcome, RecordKind};
@@ -55,29 +54,18 @@ mod stream;
 /// The body types at the paths they had before they moved to [`crate::body`]
 /// (`control.rs` still imports `RespBody` and `full_body` from here).
 pub use crate::body::{BoxError, RespBody, UpBody, full_body};
+pub use answer::SPAN_ID_HEADER;
 pub use fidelity::{Injected, inject, strip_injected};
 pub use request::{api_error, api_of};
 
 use crate::clock::now_nanos;
 use crate::state::AppState;
 use admit::{Admitted, NotAdmitted, admit};
-use answer::Undo;
-use capture::{CallGuard, Capture, Spooled, attributed};
-use forward::{Failure, forward};
+use answer::{Undo, local_failure};
+use capture::{CallGuard, Capture, budget_warning, call_head};
+use forward::forward;
 use outbound::{Read, outbound};
 use request::recorded_headers;
-
-/// Header that carries the span id of a proxied call back to the client.
-pub const SPAN_ID_HEADER: &str = "x-tapline-span-id";
-
-/// The capture warning of a call the memory budget cut.
-pub(super) fn budget_warning(state: &AppState, what: &str) -> String {
-    format!(
-        "memory_budget: {what}: {} of the {} bytes of --memory-budget-bytes were held by calls in flight and the segment builder",
-        state.budget.used(),
-        state.budget.limit()
-    )
-}
 
 /// Proxies one request: the stages in order, each returning early with its own answer
 /// when the call ends there.
@@ -91,18 +79,14 @@ pub async fn proxy(state: Arc<AppState>, req: Request<Incoming>) -> Response<Res
     };
     let api = target.api;
     state.metrics.request(api);
-    // The record's head: which call, when, and whose.
-    let call = LlmCall {
-        span_id: uuid::Uuid::now_v7().to_string(),
-        api: api as i32,
-        method: parts.method.to_string(),
-        path: target.path_and_query.clone(),
-        start_unix_nanos: start_nanos,
-        ..attributed(
-            &state.episodes.attribute(target.hints),
-            &state.config.sidecar_id,
-        )
-    };
+    let call = call_head(
+        &state.episodes.attribute(target.hints),
+        &state.config.sidecar_id,
+        api,
+        &parts.method,
+        &target.path_and_query,
+        start_nanos,
+    );
     let admitted = match admit(&state, api, body).await {
         Ok(admitted) => admitted,
         Err(NotAdmitted::Refused(refused)) => return refused,
@@ -206,37 +190,4 @@ fn go_out(
         route: out.route,
     };
     (capture, out.body, out.headers, undo)
-}
-
-/// Waits for a record to reach the spool, at most `wait` (`None`: as long as it takes).
-async fn wait_spooled(spooled: Spooled, wait: Option<Duration>) {
-    match wait {
-        Some(wait) => {
-            if tokio::time::timeout(wait, spooled).await.is_err() {
-                tracing::warn!("record not spooled in time; answering anyway");
-            }
-        }
-        None => {
-            let _ = spooled.await;
-        }
-    }
-}
-
-/// Answers for the upstream (502/504/400) and records the call with that outcome.
-async fn local_failure(mut capture: Capture, api: Api, failure: Failure) -> Response<RespBody> {
-    let Failure {
-        status,
-        outcome,
-        code,
-        message,
-    } = failure;
-    tracing::warn!(upstream = %capture.state.upstream_base, %status, "{message}");
-    let mut resp = api_error(api, status, code, &message);
-    if let Ok(v) = HeaderValue::from_str(&capture.call.span_id) {
-        resp.headers_mut().insert(SPAN_ID_HEADER, v);
-    }
-    capture.call.http_status = u32::from(status.as_u16());
-    let wait = capture.state.ack_wait;
-    wait_spooled(capture.finish_acked(outcome, Some(message)), wait).await;
-    resp
 }
