@@ -151,6 +151,18 @@ pub(crate) struct TrainArgs {
     /// the others exit non-zero after at most this long, writing nothing.
     #[arg(long, env = "TAPLINE_DIST_TIMEOUT_SECS", default_value_t = 600)]
     pub(crate) dist_timeout_secs: u64,
+    /// Also write TensorBoard event files (config `track.tensorboard`) beside
+    /// metrics.jsonl: `tensorboard --logdir <the track directory>`.
+    #[arg(long)]
+    pub(crate) tensorboard: bool,
+    /// Where metrics.jsonl and the event files go (config `track.dir`) [default: --out;
+    /// with --follow the --out root, one series for all its runs].
+    #[arg(long)]
+    pub(crate) track_dir: Option<std::path::PathBuf>,
+    /// `train --follow`: the track directory when neither --track-dir nor the config
+    /// names one (the --out root).
+    #[arg(skip)]
+    pub(crate) series_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]

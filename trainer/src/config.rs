@@ -80,6 +80,13 @@
 //! # target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 //! # use_rslora = false         # scale by alpha / sqrt(rank) instead
 //!
+//! [track]                      # `train` only: what the run writes while it trains
+//! jsonl = true                 # metrics.jsonl: one JSON object per step and run event
+//! tensorboard = false          # events.out.tfevents.* for `tensorboard --logdir`
+//!                              # (--tensorboard)
+//! # dir = "runs/coder"         # default: --out (train), the --out root (train
+//!                              # --follow); --track-dir
+//!
 //! # [publish]                  # present (LoRA only): `train` publishes its adapter
 //! # policy = "coder"           # announced as coder@vN in policies/coder.json
 //! # servers = ["http://vllm:8000"]
@@ -144,6 +151,8 @@ pub struct RunConfig {
     pub schedule: ScheduleOptions,
     /// The policy-gradient update (`train` only).
     pub train: TrainOptions,
+    /// What `train` writes while it runs (see `crate::track`).
+    pub track: crate::track::TrackOptions,
     /// Publishing the trained adapter (`train` only, LoRA runs; see `crate::publish`).
     pub publish: Option<crate::publish::PublishConfig>,
 }
@@ -159,6 +168,7 @@ impl Default for RunConfig {
             advantages: AdvantageOptions::default(),
             schedule: ScheduleOptions::default(),
             train: TrainOptions::default(),
+            track: crate::track::TrackOptions::default(),
             publish: None,
         }
     }

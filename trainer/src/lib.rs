@@ -14,7 +14,8 @@
 //! 7. [`output`] — the documented batch files; [`report`] — what happened.
 //!
 //! [`pipeline::prepare`] runs stages 2–6; [`config::RunConfig`] configures them all.
-//! [`export`] reads the same records into Parquet files for data tools.
+//! [`export`] reads the same records into Parquet files for data tools; [`track`]
+//! writes what `train` does while it runs (`metrics.jsonl`, TensorBoard).
 
 pub mod advantages;
 pub mod batch;
@@ -34,6 +35,7 @@ pub mod report;
 pub mod schedule;
 pub mod template;
 pub mod tokenize;
+pub mod track;
 
 /// The commit the binary was built from (`unknown` outside a git checkout).
 pub const GIT_COMMIT: &str = env!("TAPLINE_GIT_COMMIT");

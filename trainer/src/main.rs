@@ -90,7 +90,7 @@ enum Command {
     /// Records in the store → batches, report and table; then advance the run's cursor.
     Prepare(PrepareArgs),
     /// Records in the store → policy-gradient update → HF checkpoint, manifest, chart.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// `{"ids": [...]}` on stdin → `{"logprobs": [...]}` of each token after the first.
     Score(ScoreArgs),
     /// A LoRA adapter merged into its base model → a full HF checkpoint (for servers
@@ -158,7 +158,7 @@ fn main() -> anyhow::Result<()> {
         Command::Tokenize(args) => tokenize_stdin(&args),
         Command::Export(args) => export(&args),
         #[cfg(feature = "torch")]
-        Command::Train(args) => torch_cli::train(args),
+        Command::Train(args) => torch_cli::train(*args),
         #[cfg(feature = "torch")]
         Command::Score(args) => torch_cli::score(&args),
         #[cfg(feature = "torch")]

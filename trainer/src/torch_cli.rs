@@ -360,6 +360,8 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
         let n = previous.as_ref().map_or(1, |(n, _)| n + 1);
         let mut run = args.clone();
         run.prepare.out = base.join(format!("{n:06}"));
+        // One series for all the runs: their metrics in the --out root.
+        run.series_dir = Some(base.clone());
         if let Some((_, dir)) = &previous {
             run.resume = Some(dir.clone());
             run.adapter = None;
@@ -648,6 +650,12 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             if let Some(m) = &args.max_memory {
                 c.train.max_memory = Some(m.clone());
             }
+            if args.tensorboard {
+                c.track.tensorboard = true;
+            }
+            if let Some(d) = &args.track_dir {
+                c.track.dir = Some(d.clone());
+            }
         },
         plan.as_ref(),
     )?;
@@ -799,6 +807,22 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             .with_context(|| format!("remove the unfinished {}", out.display()))?;
         return Ok(None);
     }
+    let mut tracker = (rank == 0).then(|| {
+        let track = &loaded.config.track;
+        let dir = track
+            .dir
+            .clone()
+            .or_else(|| args.series_dir.clone())
+            .unwrap_or_else(|| out.clone());
+        tapline_trainer::track::Tracker::open(
+            track,
+            &dir,
+            &loaded.config.run,
+            &out,
+            first_step,
+            &loaded.config,
+        )
+    });
     let gpu_memory = nn::manifest::GpuMemorySampler::start(device);
     let mut done = 0;
     let result = nn::train::train_with(
@@ -813,6 +837,9 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             if rank == 0 {
                 bar.suspend(|| println!("{}", m.line(done, steps)));
                 bar.inc(1);
+            }
+            if let Some(t) = tracker.as_mut() {
+                t.step(m.step, &serde_json::to_value(m).unwrap_or_default());
             }
         },
     )?;
@@ -840,6 +867,13 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             result.steps.len(),
             out.display()
         );
+        if let Some(t) = tracker.as_mut() {
+            let why = format!(
+                "stopped by a signal after {} of {steps} step(s); the run is dropped",
+                result.steps.len()
+            );
+            t.finish(tapline_trainer::track::Status::Killed, Some(&why));
+        }
         if rank == 0 {
             std::fs::remove_dir_all(&out)
                 .with_context(|| format!("remove the unfinished {}", out.display()))?;
@@ -952,6 +986,21 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     .with_context(|| format!("write {}", out.join("chart.png").display()))?;
 
     let wall = started.elapsed().as_secs_f64();
+    let tracking = tracker.as_mut().map(|t| {
+        track_summary(
+            t,
+            &loaded.prepared,
+            &result,
+            global_step,
+            wall,
+            memory.get("peak_measured_bytes"),
+        );
+        serde_json::json!({
+            "dir": t.dir().display().to_string(),
+            "backends": t.backends(),
+            "failures": t.failures(),
+        })
+    });
     let manifest = nn::manifest::RunManifest {
         format: nn::manifest::FORMAT,
         tapline_version: env!("CARGO_PKG_VERSION"),
@@ -1008,6 +1057,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         checkpoint: checkpoint_info,
         distributed,
         memory,
+        tracking,
     };
     if let Some(run) = &loaded.run {
         let commit = CursorCommit {
@@ -1029,6 +1079,9 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     if loaded.run.is_some() {
         committed(&out)?;
     }
+    if let Some(t) = tracker.as_mut() {
+        t.finish(tapline_trainer::track::Status::Finished, None);
+    }
     println!(
         "train: {} step(s), {} loss tokens of {} tokens, {:.1}s ({:.1}s updating) -> {}",
         result.steps.len(),
@@ -1043,6 +1096,36 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         location: loaded.location.clone(),
         publish: loaded.config.publish.clone(),
     }))
+}
+
+/// The run-level figures at the run's last global step: rewards and advantages of its
+/// batches, policy lag, importance ratios by lag, step time, memory.
+fn track_summary(
+    t: &mut tapline_trainer::track::Tracker,
+    prepared: &tapline_trainer::Prepared,
+    result: &nn::train::TrainResult,
+    global_step: u64,
+    wall_clock_seconds: f64,
+    peak_memory_bytes: Option<&serde_json::Value>,
+) {
+    let (mut summary, advantages) = tapline_trainer::track::batch_summary(&prepared.mini_batches);
+    let steps = result.steps.len().max(1) as f64;
+    let policy = &prepared.report.policy;
+    summary["policy"] = serde_json::json!({
+        "latest_version": policy.latest_version,
+        "max_lag": policy.max_lag,
+        "stale_calls": policy.stale_calls,
+        "calls_by_lag": policy.calls_by_lag,
+    });
+    summary["importance_by_lag"] =
+        serde_json::to_value(&result.importance_by_lag).unwrap_or_default();
+    summary["step_seconds_mean"] =
+        serde_json::json!(result.steps.iter().map(|s| s.seconds).sum::<f64>() / steps);
+    summary["wall_clock_seconds"] = serde_json::json!(wall_clock_seconds);
+    summary["peak_memory_bytes"] = peak_memory_bytes.cloned().unwrap_or_default();
+    summary["tokens"] = serde_json::json!(result.tokens);
+    summary["loss_tokens"] = serde_json::json!(result.loss_tokens);
+    t.summary(global_step, &summary, &[("run/advantages", advantages)]);
 }
 
 pub(super) fn merge_lora(args: &MergeArgs) -> anyhow::Result<()> {

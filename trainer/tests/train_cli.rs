@@ -100,6 +100,15 @@ async fn smollm2_and_store() -> (
     (model, tmp, store_url, store, now)
 }
 
+/// The lines of `dir/metrics.jsonl`.
+fn metrics_lines(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).expect("read file")).expect("JSON file")
 }
@@ -215,6 +224,21 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
         m["checkpoint"]["model_safetensors_sha256"],
         tapline_trainer::ingest::sha256_hex(&weights)
     );
+    // metrics.jsonl in --out: the run's start, each step as the manifest has it, the
+    // run's summary, its end.
+    let lines = metrics_lines(&out);
+    let events: Vec<&str> = lines.iter().map(|l| l["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        events,
+        ["run_started", "step", "step", "run", "run_finished"]
+    );
+    assert_eq!(lines[1]["loss"], steps[0]["loss"]);
+    assert_eq!(lines[2]["step"], 2);
+    assert_eq!(lines[3]["summary"]["episodes"], 8);
+    assert!(lines[3]["summary"]["reward"]["mean"].is_f64());
+    assert_eq!(lines[4]["status"], "FINISHED");
+    assert_eq!(m["tracking"]["backends"], serde_json::json!(["jsonl"]));
+    assert_eq!(m["tracking"]["failures"], 0);
     // The chart is a PNG; the tokenizer and template came along.
     assert_eq!(
         &std::fs::read(out.join("chart.png")).unwrap()[..8],
@@ -779,6 +803,30 @@ async fn train_follow_trains_publishes_and_recovers_from_stops_at_any_point() {
     );
     assert_eq!(third["steps"].as_array().unwrap().len(), 2);
     assert!(!base.join("000004").join("manifest.json").exists());
+    // One series in the --out root: every run's start, steps and end, the stopped one
+    // marked KILLED, the global steps of the runs kept counting on.
+    let lines = metrics_lines(&base);
+    let statuses: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["event"] == "run_finished")
+        .map(|l| l["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["FINISHED", "FINISHED", "KILLED", "FINISHED"]);
+    let mut kept = Vec::new();
+    let mut run_steps = Vec::new();
+    for l in &lines {
+        match l["event"].as_str().unwrap() {
+            "step" => run_steps.push(l["step"].as_u64().unwrap()),
+            "run_finished" if l["status"] == "FINISHED" => kept.append(&mut run_steps),
+            "run_finished" => run_steps.clear(),
+            _ => {}
+        }
+    }
+    assert!(
+        kept.len() == 4 && kept.windows(2).all(|w| w[0] < w[1]),
+        "{kept:?}"
+    );
+    assert_eq!(third["tracking"]["dir"], base.display().to_string());
     // Every version the server loaded: 1 failed, then 2..=5 in order.
     let loads: Vec<String> = seen
         .lock()

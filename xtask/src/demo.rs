@@ -362,6 +362,8 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     let logs = dir.join("logs");
     let checkpoints = dir.join("checkpoints");
+    // Every iteration's metrics in one series: metrics.jsonl and TensorBoard's files.
+    let track = dir.join("track");
     for d in [&logs, &checkpoints] {
         std::fs::create_dir_all(d)?;
     }
@@ -471,6 +473,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     let (_, start_fingerprint) = fingerprint(&policy, "policy")?;
     let mut current = model.clone();
     let mut rewards: Vec<f64> = Vec::new();
+    let mut total_steps = 0;
     for k in 0..o.iterations {
         ensure!(!interrupted(), "interrupted");
         let iteration_started = Instant::now();
@@ -552,6 +555,9 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             let trained = train
                 .arg("--out")
                 .arg(&ckpt)
+                .arg("--tensorboard")
+                .arg("--track-dir")
+                .arg(&track)
                 .arg("--config")
                 .arg(&config)
                 .output()
@@ -569,6 +575,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             let manifest: Value =
                 serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json"))?)?;
             let steps = manifest["steps"].as_array().map_or(0, Vec::len);
+            total_steps += steps;
             if o.lora {
                 // The trainer published it; wait until the sidecar follows the new version.
                 let version = k as u64 + 1;
@@ -736,6 +743,18 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             sha.get(..12).unwrap_or(&sha)
         );
     }
+    let tracked = tracked_steps(&track)?;
+    ensure!(
+        tracked.len() == total_steps && tracked.windows(2).all(|w| w[0] < w[1]),
+        "{}: steps {tracked:?}, not the {total_steps} trained, counting on from one iteration to the next",
+        track.join("metrics.jsonl").display()
+    );
+    println!(
+        "demo: metrics in {} ({} steps); watch them with `tensorboard --logdir {}`",
+        track.join("metrics.jsonl").display(),
+        tracked.len(),
+        track.display()
+    );
     println!(
         "demo: chart {}, logs {}, {:.0}s in all",
         chart.display(),
@@ -749,6 +768,22 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
     );
     drop(children);
     Ok(())
+}
+
+/// The global steps of `metrics.jsonl`'s step lines, in file order.
+fn tracked_steps(track: &Path) -> anyhow::Result<Vec<u64>> {
+    let path = track.join("metrics.jsonl");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let mut steps = Vec::new();
+    for line in text.lines() {
+        let v: Value = serde_json::from_str(line)
+            .with_context(|| format!("{}: not JSON: {line}", path.display()))?;
+        if v["event"] == "step" {
+            steps.push(v["step"].as_u64().context("a step line without its step")?);
+        }
+    }
+    Ok(steps)
 }
 
 fn walk(dir: &Path) -> Vec<PathBuf> {

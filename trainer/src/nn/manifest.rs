@@ -63,10 +63,10 @@ pub struct Compute {
     /// (libtorch's allocator statistics are not exposed by tch); `null` on CPU or when
     /// `nvidia-smi` is not available.
     pub gpu_peak_memory_bytes_sampled: Option<u64>,
-    /// Per phase.
     /// Bytes of optimizer state this process held (moments and fp32 masters; in a
     /// distributed run, rank 0's share).
     pub optimizer_state_bytes: u64,
+    /// Per phase.
     pub phases: Phases,
 }
 
@@ -122,6 +122,9 @@ pub struct RunManifest {
     /// and the peak measured (`peak_measured_bytes`, from `peak_measured`: the
     /// process's peak RSS on CPU, the sampled GPU memory on CUDA).
     pub memory: Value,
+    /// Where the run's metrics went (`crate::track`): directory, backends, failed
+    /// writes; `null` on ranks other than 0.
+    pub tracking: Option<Value>,
 }
 
 impl RunManifest {
