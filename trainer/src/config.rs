@@ -87,6 +87,11 @@
 //! # dir = "runs/coder"         # default: --out (train), the --out root (train
 //!                              # --follow); --track-dir
 //!
+//! # [track.mlflow]             # present: a run per training run on this server
+//! # uri = "http://mlflow:5000" # default: MLFLOW_TRACKING_URI
+//! # experiment = "coder"       # default: MLFLOW_EXPERIMENT_NAME, else "tapline"
+//! # timeout_secs = 10.0        # per request; a slow server never slows training
+//!
 //! # [publish]                  # present (LoRA only): `train` publishes its adapter
 //! # policy = "coder"           # announced as coder@vN in policies/coder.json
 //! # servers = ["http://vllm:8000"]
@@ -246,6 +251,7 @@ impl RunConfig {
             return bad("rewards.final_reward_weight must be finite".into());
         }
         self.train.validate().map_err(ConfigError::Invalid)?;
+        self.track.validate().map_err(ConfigError::Invalid)?;
         if let Some(p) = &self.publish {
             tapline_proto::policy::validate_name(&p.policy)
                 .map_err(|e| ConfigError::Invalid(format!("publish.policy: {e}")))?;

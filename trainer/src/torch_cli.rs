@@ -999,6 +999,10 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
             "dir": t.dir().display().to_string(),
             "backends": t.backends(),
             "failures": t.failures(),
+            "mlflow": t.mlflow_run().map(|(uri, run_id)| serde_json::json!({
+                "uri": uri,
+                "run_id": run_id,
+            })),
         })
     });
     let manifest = nn::manifest::RunManifest {
@@ -1080,6 +1084,8 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         committed(&out)?;
     }
     if let Some(t) = tracker.as_mut() {
+        t.artifact(&out.join("manifest.json"));
+        t.artifact(&out.join("chart.png"));
         t.finish(tapline_trainer::track::Status::Finished, None);
     }
     println!(

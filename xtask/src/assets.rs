@@ -60,6 +60,18 @@ pub fn ensure_venv(root: &Path) -> anyhow::Result<PathBuf> {
     })
 }
 
+/// `.cache/mlflow-venv` with `xtask/requirements-mlflow.txt` (the MLflow tracking
+/// server the trainer's tests log to); its python.
+pub fn ensure_mlflow(root: &Path) -> anyhow::Result<PathBuf> {
+    let requirements_file = root.join("xtask").join("requirements-mlflow.txt");
+    let requirements = std::fs::read_to_string(&requirements_file)
+        .with_context(|| format!("read {}", requirements_file.display()))?;
+    let base = || Ok(PathBuf::from("python3.11"));
+    stamped_venv(root, "mlflow-venv", &requirements, base, |python| {
+        pip_install_requirements(python, &requirements_file)
+    })
+}
+
 /// The virtualenv `.cache/<name>`, made with the Python `base` finds when it is missing;
 /// `install` runs in it whenever `wanted` (what it should hold: its requirements) differs
 /// from what the venv's stamp says it was last given. Returns the venv's python.

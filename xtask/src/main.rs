@@ -48,7 +48,8 @@ mod image;
 mod swe;
 mod vllm;
 use assets::{
-    check_wheel_in_clean_venv, ensure_assets, ensure_smollm2, ensure_venv, install_sdk, torch_env,
+    check_wheel_in_clean_venv, ensure_assets, ensure_mlflow, ensure_smollm2, ensure_venv,
+    install_sdk, torch_env,
 };
 
 const USAGE: &str = "usage: cargo xtask <command>
@@ -130,8 +131,12 @@ fn repo_root() -> PathBuf {
 fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
     let started = Instant::now();
     let python = step("python test environment", || ensure_venv(root))?;
-    let (assets, smollm2) = step("test assets", || {
-        Ok((ensure_assets(root)?, ensure_smollm2(root, &python)?))
+    let (assets, smollm2, mlflow) = step("test assets", || {
+        Ok((
+            ensure_assets(root)?,
+            ensure_smollm2(root, &python)?,
+            ensure_mlflow(root)?,
+        ))
     })?;
     step("cargo fmt --check", || {
         run(Command::new("cargo").args(["fmt", "--all", "--check"]))
@@ -153,7 +158,8 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
             .args(extra)
             .env("TAPLINE_PYTHON", &python)
             .env("TAPLINE_ASSETS", &assets)
-            .env("TAPLINE_SMOLLM2", &smollm2))
+            .env("TAPLINE_SMOLLM2", &smollm2)
+            .env("TAPLINE_MLFLOW_PYTHON", &mlflow))
     })?;
     step(
         "pytest (sidecar with the official clients, Python SDK from its wheel)",

@@ -1,6 +1,7 @@
 //! Watching a run while it trains: every step and every run-level event to
 //! `metrics.jsonl` (one JSON object per line, serialized from the structs the manifest
-//! holds) and, with `[track] tensorboard`, to TensorBoard event files ([`tfevents`]).
+//! holds), with `[track] tensorboard` to TensorBoard event files ([`tfevents`]), with
+//! `[track.mlflow]` to an MLflow tracking server ([`mlflow`]).
 //!
 //! Invariants:
 //! - Tracking never fails or stops training: a write that fails is logged once per
@@ -13,6 +14,7 @@
 //! - A run that is not [`Tracker::finish`]ed (an error, a stop) ends with a
 //!   `run_finished` event whose status says so (`FAILED`, `KILLED`).
 
+pub mod mlflow;
 pub mod tfevents;
 
 use std::fs::File;
@@ -36,6 +38,8 @@ pub struct TrackOptions {
     /// Where (`--track-dir`); default: `--out` of `train`, the `--out` root of `train
     /// --follow` (one series for all its runs).
     pub dir: Option<PathBuf>,
+    /// An MLflow tracking server (present: on).
+    pub mlflow: Option<mlflow::MlflowOptions>,
 }
 
 impl Default for TrackOptions {
@@ -44,6 +48,17 @@ impl Default for TrackOptions {
             jsonl: true,
             tensorboard: false,
             dir: None,
+            mlflow: None,
+        }
+    }
+}
+
+impl TrackOptions {
+    /// Checks the options (the MLflow URI, from the config or `MLFLOW_TRACKING_URI`).
+    pub fn validate(&self) -> Result<(), String> {
+        match &self.mlflow {
+            Some(m) => m.validate(),
+            None => Ok(()),
         }
     }
 }
@@ -129,6 +144,7 @@ pub struct Tracker {
     dir: PathBuf,
     jsonl: Backend<BufWriter<File>>,
     tensorboard: Backend<tfevents::EventWriter>,
+    mlflow: Option<mlflow::Mlflow>,
     finished: bool,
 }
 
@@ -160,10 +176,32 @@ impl Tracker {
         } else {
             Backend::off()
         };
+        let config_value = serde_json::to_value(config).unwrap_or_default();
+        let mlflow = options.mlflow.as_ref().and_then(|m| {
+            let start = mlflow::RunStart {
+                name: format!("{run} {}", out.display()),
+                params: mlflow::params(&config_value),
+                tags: vec![
+                    ("tapline.run".into(), run.into()),
+                    ("tapline.out".into(), out.display().to_string()),
+                    ("tapline.first_step".into(), first_step.to_string()),
+                    ("tapline.git_commit".into(), crate::GIT_COMMIT.into()),
+                    ("mlflow.source.name".into(), "tapline-trainer train".into()),
+                ],
+            };
+            match mlflow::Mlflow::start(m, start) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::warn!("tracking: mlflow: {e}");
+                    None
+                }
+            }
+        });
         let mut t = Tracker {
             dir: dir.to_owned(),
             jsonl,
             tensorboard,
+            mlflow,
             finished: false,
         };
         t.line(json!({
@@ -172,7 +210,7 @@ impl Tracker {
             "run": run,
             "out": out.display().to_string(),
             "first_step": first_step,
-            "config": serde_json::to_value(config).unwrap_or_default(),
+            "config": config_value,
         }));
         let text = format!(
             "run `{run}` into `{}` from global step {first_step}\n\n```toml\n{}\n```",
@@ -200,12 +238,39 @@ impl Tracker {
         if self.tensorboard.writer.is_some() || self.tensorboard.failures > 0 {
             names.push("tensorboard");
         }
+        if self.mlflow.is_some() {
+            names.push("mlflow");
+        }
         names
     }
 
-    /// Writes that failed, all backends together.
+    /// Writes that failed, all backends together (an MLflow server that fails counts
+    /// once).
     pub fn failures(&self) -> u64 {
-        self.jsonl.failures + self.tensorboard.failures
+        self.jsonl.failures
+            + self.tensorboard.failures
+            + self.mlflow.as_ref().map_or(0, mlflow::Mlflow::failures)
+    }
+
+    /// The MLflow run: tracking URI and run id (once the server made it).
+    pub fn mlflow_run(&self) -> Option<(String, Option<String>)> {
+        self.mlflow
+            .as_ref()
+            .map(|m| (m.uri().to_owned(), m.run_id()))
+    }
+
+    /// A file of the run for the backends that keep files (MLflow's artifacts), under
+    /// its file name.
+    pub fn artifact(&mut self, path: &Path) {
+        let Some(m) = &self.mlflow else { return };
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match std::fs::read(path) {
+            Ok(bytes) => m.artifact(&name, bytes),
+            Err(e) => tracing::warn!("tracking: read {}: {e}", path.display()),
+        }
     }
 
     fn line(&mut self, value: Value) {
@@ -228,6 +293,9 @@ impl Tracker {
         let mut scalars = Vec::new();
         flatten("train", metrics, &mut scalars);
         scalars.retain(|(tag, _)| !matches!(tag.as_str(), "train/step"));
+        if let Some(m) = &self.mlflow {
+            m.metrics(step, &scalars);
+        }
         self.tensorboard.with(|w| {
             w.scalars(step, &scalars)?;
             w.flush()
@@ -241,6 +309,9 @@ impl Tracker {
         self.line(json!({"event": "run", "step": step, "summary": summary}));
         let mut scalars = Vec::new();
         flatten("run", summary, &mut scalars);
+        if let Some(m) = &self.mlflow {
+            m.metrics(step, &scalars);
+        }
         self.tensorboard.with(|w| {
             w.scalars(step, &scalars)?;
             for (tag, values) in histograms {
@@ -263,6 +334,9 @@ impl Tracker {
             "detail": detail,
         }));
         self.tensorboard.with(tfevents::EventWriter::flush);
+        if let Some(m) = self.mlflow.as_mut() {
+            m.end(status.name());
+        }
     }
 }
 
@@ -466,6 +540,18 @@ mod tests {
         assert_eq!(summary["reward"]["group_std_mean"], 0.25);
         assert_eq!(advantages.len(), 8, "the masked token is left out");
         assert_eq!(summary["advantage"]["tokens"], 8);
+    }
+
+    #[test]
+    fn unknown_track_keys_and_bad_mlflow_uris_are_refused_before_training() {
+        let err = toml::from_str::<crate::RunConfig>("[track]\ntensorbord = true")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tensorbord"), "{err}");
+        let cfg: crate::RunConfig =
+            toml::from_str("[track.mlflow]\nuri = \"localhost:5000\"").unwrap();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("has no scheme"), "{err}");
     }
 
     #[test]
