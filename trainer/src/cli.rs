@@ -351,6 +351,13 @@ pub(crate) struct BenchArgs {
 }
 
 #[derive(Args)]
+pub(crate) struct ReportArgs {
+    /// The run's output directory (its --out, or one NNNNNN run of --follow).
+    #[arg(long)]
+    pub(crate) run: PathBuf,
+}
+
+#[derive(Args)]
 pub(crate) struct PlotArgs {
     /// The PNG to write.
     #[arg(long)]

@@ -15,7 +15,8 @@
 //!
 //! [`pipeline::prepare`] runs stages 2–6; [`config::RunConfig`] configures them all.
 //! [`export`] reads the same records into Parquet files for data tools; [`track`]
-//! writes what `train` does while it runs (`metrics.jsonl`, TensorBoard).
+//! writes what `train` does while it runs (`metrics.jsonl`, TensorBoard, MLflow);
+//! [`html`] the run's `report.html`.
 
 pub mod advantages;
 pub mod batch;
@@ -24,6 +25,7 @@ pub mod clean;
 pub mod config;
 pub mod drift;
 pub mod export;
+pub mod html;
 pub mod ingest;
 pub mod merge;
 pub mod model;

@@ -109,6 +109,9 @@ enum Command {
     /// Records in the store → calls.parquet, episodes.parquet and rewards.parquet.
     #[command(long_about = export_long_help())]
     Export(ExportArgs),
+    /// A finished run's directory → its report.html again (from manifest.json and
+    /// samples.json, which `train` wrote there).
+    Report(ReportArgs),
 }
 
 /// glibc's variable that fixes malloc's mmap threshold (mallopt(3)).
@@ -157,6 +160,11 @@ fn main() -> anyhow::Result<()> {
         Command::Plot(args) => plot(&args),
         Command::Tokenize(args) => tokenize_stdin(&args),
         Command::Export(args) => export(&args),
+        Command::Report(args) => {
+            let page = tapline_trainer::html::write_from_dir(&args.run)?;
+            println!("report: {}", page.display());
+            Ok(())
+        }
         #[cfg(feature = "torch")]
         Command::Train(args) => torch_cli::train(*args),
         #[cfg(feature = "torch")]

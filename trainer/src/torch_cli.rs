@@ -1073,6 +1073,17 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         std::fs::write(&path, serde_json::to_vec_pretty(&commit)?)
             .with_context(|| format!("write {}", path.display()))?;
     }
+    // The report page, with a sample of the episodes as the batches hold them; before
+    // the manifest, which is written last.
+    let samples = tapline_trainer::html::Samples::take(&loaded.prepared.mini_batches, |ids| {
+        loaded.model.decode(ids)
+    });
+    let samples_path = out.join(tapline_trainer::html::SAMPLES_FILE);
+    std::fs::write(&samples_path, serde_json::to_vec(&samples)?)
+        .with_context(|| format!("write {}", samples_path.display()))?;
+    let page = tapline_trainer::html::render(&serde_json::to_value(&manifest)?, &samples);
+    std::fs::write(out.join("report.html"), page)
+        .with_context(|| format!("write {}/report.html", out.display()))?;
     manifest
         .write(&out)
         .with_context(|| format!("write {}/manifest.json", out.display()))?;
@@ -1085,6 +1096,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     }
     if let Some(t) = tracker.as_mut() {
         t.artifact(&out.join("manifest.json"));
+        t.artifact(&out.join("report.html"));
         t.artifact(&out.join("chart.png"));
         t.finish(tapline_trainer::track::Status::Finished, None);
     }

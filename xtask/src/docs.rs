@@ -26,6 +26,7 @@ const BINARIES: [(&str, &[&str]); 3] = [
             "tokenize",
             "export",
             "plot",
+            "report",
             "bench-update",
         ],
     ),
