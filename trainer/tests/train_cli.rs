@@ -243,13 +243,19 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
     let page = std::fs::read_to_string(out.join("report.html")).unwrap();
     assert!(page.starts_with("<!doctype html>") && page.contains("id=\"curves\""));
     assert!(!page.contains("http://") && !page.contains("https://") && !page.contains("<script"));
-    assert!(page.matches("class=\"l\"").count() > 10, "trained tokens are marked");
+    assert!(
+        page.matches("class=\"l\"").count() > 10,
+        "trained tokens are marked"
+    );
     let samples = read_json(&out.join("samples.json"));
     assert_eq!(samples["episodes"], 8);
     std::fs::remove_file(out.join("report.html")).unwrap();
     let (ok, _, stderr) = run(trainer().args(["report", "--run"]).arg(&out));
     assert!(ok, "{stderr}");
-    assert_eq!(std::fs::read_to_string(out.join("report.html")).unwrap(), page);
+    assert_eq!(
+        std::fs::read_to_string(out.join("report.html")).unwrap(),
+        page
+    );
     assert_eq!(m["tracking"]["failures"], 0);
     // The chart is a PNG; the tokenizer and template came along.
     assert_eq!(

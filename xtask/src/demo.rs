@@ -737,6 +737,8 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
             check.success(),
             "the export differs from the store's records"
         );
+        // The last run's report.html as a person opens it: in a browser.
+        crate::browser::check_report(&current.join("report.html"), &logs.join("report.png"))?;
         println!(
             "demo smoke: {segments} segments, {} steps, checkpoint {}, policy server serves {version}",
             first["steps"].as_array().map_or(0, Vec::len),
@@ -755,6 +757,10 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         tracked.len(),
         track.display()
     );
+    let report = current.join("report.html");
+    if report.is_file() {
+        println!("demo: the last run's report: {}", report.display());
+    }
     println!(
         "demo: chart {}, logs {}, {:.0}s in all",
         chart.display(),

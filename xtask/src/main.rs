@@ -40,6 +40,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 
 mod assets;
+mod browser;
 mod demo;
 mod docs;
 mod fuzz;
@@ -206,9 +207,10 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         // `cargo test` built the binaries.
         docs::docs(root, &root.join("target/debug"), true)
     })?;
-    step("closed loop, short (`cargo xtask demo --smoke`)", || {
-        demo::demo(root, &["--smoke".to_owned()])
-    })?;
+    step(
+        "closed loop, short (`cargo xtask demo --smoke`; its report in headless Chromium)",
+        || demo::demo(root, &["--smoke".to_owned()]),
+    )?;
     step(
         "SWE recipe, short (`cargo xtask swe --smoke`): mini-swe-agent through the sidecar, prepare, one step",
         || swe::swe(root, &["--smoke".to_owned()]),
