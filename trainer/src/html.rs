@@ -35,6 +35,9 @@ pub struct Token {
     pub advantage: f64,
     /// The inference log-prob, when recorded.
     pub logprob: Option<f64>,
+    /// The trainer's log-prob of it before the update (loss tokens the trainer kept).
+    #[serde(default)]
+    pub trainer_logprob: Option<f64>,
 }
 
 /// One sampled sequence.
@@ -66,43 +69,73 @@ pub struct Samples {
 
 impl Samples {
     /// Samples the sequences of `mini_batches`: up to [`MAX_EPISODES`] episodes, evenly
-    /// spaced over the run; `decode` turns token ids into text.
-    pub fn take(
+    /// spaced over the run; `decode` turns token ids into text; `trainer` gives the
+    /// trainer's old log-probs of a sequence's loss tokens by (mini-batch, micro-batch,
+    /// sequence), where it kept them (`nn::train::TrainResult::old_logprobs`).
+    pub fn take<'a>(
         mini_batches: &[crate::batch::MiniBatch],
         decode: impl Fn(&[u32]) -> String,
+        trainer: impl Fn((usize, usize, usize)) -> Option<&'a [f32]>,
     ) -> Self {
-        let sequences: Vec<&crate::batch::TrainSequence> = mini_batches
+        let sequences: Vec<((usize, usize, usize), &crate::batch::TrainSequence)> = mini_batches
             .iter()
-            .flat_map(|mb| &mb.micro_batches)
-            .flat_map(|m| &m.sequences)
+            .enumerate()
+            .flat_map(|(k, mb)| {
+                mb.micro_batches
+                    .iter()
+                    .enumerate()
+                    .flat_map(move |(m, micro)| {
+                        micro
+                            .sequences
+                            .iter()
+                            .enumerate()
+                            .map(move |(i, s)| ((k, m, i), s))
+                    })
+            })
             .collect();
         let mut episodes: Vec<&str> = Vec::new();
-        for s in &sequences {
-            if !episodes.contains(&s.episode_id.as_str()) {
+        let mut seen = std::collections::HashSet::new();
+        for (_, s) in &sequences {
+            if seen.insert(s.episode_id.as_str()) {
                 episodes.push(&s.episode_id);
             }
         }
         let every = episodes.len().div_ceil(MAX_EPISODES).max(1);
-        let chosen: Vec<&str> = episodes.iter().step_by(every).copied().collect();
+        let chosen: std::collections::HashSet<&str> =
+            episodes.iter().step_by(every).copied().collect();
         let samples = sequences
             .iter()
-            .filter(|s| chosen.contains(&s.episode_id.as_str()))
-            .map(|s| {
-                let ids = &s.sequence.token_ids;
+            .filter(|(_, s)| chosen.contains(s.episode_id.as_str()))
+            .map(|(at, s)| {
+                let q = &s.sequence;
+                let ids = &q.token_ids;
                 let shown = ids.len().min(MAX_TOKENS);
+                let old = trainer(*at);
+                let mut loss_index = 0;
                 let tokens = (0..shown)
-                    .map(|i| Token {
-                        text: token_text(ids, i, &decode),
-                        loss: s.sequence.loss_mask.get(i).is_some_and(|m| *m != 0),
-                        advantage: s.advantages.get(i).copied().unwrap_or(0.0),
-                        logprob: s.sequence.logprobs.get(i).copied().flatten(),
+                    .map(|i| {
+                        let loss = q.loss_mask.get(i).is_some_and(|m| *m != 0);
+                        let trainer_logprob = if loss && i > 0 {
+                            loss_index += 1;
+                            old.and_then(|o| o.get(loss_index - 1))
+                                .map(|v| f64::from(*v))
+                        } else {
+                            None
+                        };
+                        Token {
+                            text: token_text(ids, i, &decode),
+                            loss,
+                            advantage: s.advantages.get(i).copied().unwrap_or(0.0),
+                            logprob: q.logprobs.get(i).copied().flatten(),
+                            trainer_logprob,
+                        }
                     })
                     .collect();
                 Sample {
                     episode_id: s.episode_id.clone(),
                     task_id: s.task_id.clone(),
                     reward: s.reward,
-                    calls: s.sequence.spans.len(),
+                    calls: q.spans.len(),
                     tokens,
                     tokens_left_out: ids.len() - shown,
                 }
@@ -364,7 +397,7 @@ pub fn render(manifest: &Value, samples: &Samples) -> String {
         .max(1e-9);
     let _ = write!(
         out,
-        "<h2 id=\"episodes\">Episodes trained on</h2><p>{} of {} episodes (at most {MAX_EPISODES}, evenly spread; at most {MAX_TOKENS} tokens per sequence). <span class=\"legend\"><span class=\"p\" style=\"color:#777\">grey: not trained (prompt, tool output)</span><span style=\"background:rgba(40,160,60,.5)\">positive advantage</span><span style=\"background:rgba(220,50,40,.5)\">negative advantage</span></span> Hover a token for its advantage and recorded log-prob.</p>",
+        "<h2 id=\"episodes\">Episodes trained on</h2><p>{} of {} episodes (at most {MAX_EPISODES}, evenly spread; at most {MAX_TOKENS} tokens per sequence). <span class=\"legend\"><span class=\"p\" style=\"color:#777\">grey: not trained (prompt, tool output)</span><span style=\"background:rgba(40,160,60,.5)\">positive advantage</span><span style=\"background:rgba(220,50,40,.5)\">negative advantage</span></span> Hover a trained token for its advantage, the engine's log-prob where recorded and the trainer's before the update.</p>",
         samples
             .samples
             .iter()
@@ -387,9 +420,16 @@ pub fn render(manifest: &Value, samples: &Samples) -> String {
                 let lp = t
                     .logprob
                     .map_or_else(|| "not recorded".to_owned(), |l| format!("{l:.4}"));
+                let trainer = match (t.trainer_logprob, t.logprob) {
+                    (Some(tr), Some(e)) => {
+                        format!(" · trainer log-prob {tr:.4} (Δ {:+.4})", tr - e)
+                    }
+                    (Some(tr), None) => format!(" · trainer log-prob {tr:.4}"),
+                    _ => String::new(),
+                };
                 let _ = write!(
                     out,
-                    "<span class=\"l\" style=\"{}\" title=\"advantage {:.4} · engine log-prob {lp}\">{}</span>",
+                    "<span class=\"l\" style=\"{}\" title=\"advantage {:.4} · engine log-prob {lp}{trainer}\">{}</span>",
                     token_style(t, scale),
                     t.advantage,
                     escape(&t.text)
@@ -497,12 +537,14 @@ mod tests {
                         loss: false,
                         advantage: 0.0,
                         logprob: None,
+                        trainer_logprob: None,
                     },
                     Token {
                         text: "ok".into(),
                         loss: true,
                         advantage: 0.5,
                         logprob: Some(-0.1),
+                        trainer_logprob: Some(-0.3),
                     },
                 ],
                 tokens_left_out: 3,
@@ -515,7 +557,7 @@ mod tests {
         assert!(page.contains("ep-&lt;b&gt;"));
         assert!(page.contains("e&quot;1"));
         assert!(page.contains("zero_variance_group"));
-        assert!(page.contains("engine log-prob -0.1000"));
+        assert!(page.contains("engine log-prob -0.1000 · trainer log-prob -0.3000 (Δ -0.2000)"));
         assert!(page.contains("3 more tokens"));
         assert_eq!(page.matches("<svg").count(), 9, "one chart per curve");
     }
@@ -550,7 +592,8 @@ mod tests {
             },
         };
         let decode = |ids: &[u32]| ids.iter().map(|i| format!("<{i}>")).collect::<String>();
-        let s = Samples::take(&[mini], decode);
+        let old = [-0.25f32, -0.75];
+        let s = Samples::take(&[mini], decode, |at| (at == (0, 0, 0)).then_some(&old[..]));
         assert_eq!(s.episodes, 200);
         assert!(s.samples.len() <= MAX_EPISODES && s.samples.len() >= MAX_EPISODES / 2);
         assert_eq!(s.samples[0].episode_id, "e0");
@@ -559,5 +602,14 @@ mod tests {
         assert_eq!(t[1].text, "<2>", "what the token adds to the one before");
         assert!(!t[0].loss && t[1].loss);
         assert_eq!((t[1].advantage, t[1].logprob), (1.5, Some(-0.5)));
+        assert_eq!(
+            (t[1].trainer_logprob, t[2].trainer_logprob),
+            (Some(-0.25), Some(-0.75))
+        );
+        assert_eq!(t[0].trainer_logprob, None, "not a loss token");
+        assert_eq!(
+            s.samples[1].tokens[1].trainer_logprob, None,
+            "not kept for it"
+        );
     }
 }

@@ -1075,9 +1075,11 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     }
     // The report page, with a sample of the episodes as the batches hold them; before
     // the manifest, which is written last.
-    let samples = tapline_trainer::html::Samples::take(&loaded.prepared.mini_batches, |ids| {
-        loaded.model.decode(ids)
-    });
+    let samples = tapline_trainer::html::Samples::take(
+        &loaded.prepared.mini_batches,
+        |ids| loaded.model.decode(ids),
+        |at| result.old_logprobs.get(&at).map(Vec::as_slice),
+    );
     let samples_path = out.join(tapline_trainer::html::SAMPLES_FILE);
     std::fs::write(&samples_path, serde_json::to_vec(&samples)?)
         .with_context(|| format!("write {}", samples_path.display()))?;
@@ -1143,7 +1145,35 @@ fn track_summary(
     summary["peak_memory_bytes"] = peak_memory_bytes.cloned().unwrap_or_default();
     summary["tokens"] = serde_json::json!(result.tokens);
     summary["loss_tokens"] = serde_json::json!(result.loss_tokens);
-    t.summary(global_step, &summary, &[("run/advantages", advantages)]);
+    // π_trainer_old / π_inference of each loss token with a recorded engine log-prob.
+    let mut ratios = Vec::new();
+    for (&(k, m, i), old) in &result.old_logprobs {
+        let Some(s) = prepared
+            .mini_batches
+            .get(k)
+            .and_then(|mb| mb.micro_batches.get(m))
+            .and_then(|micro| micro.sequences.get(i))
+        else {
+            continue;
+        };
+        let q = &s.sequence;
+        let engine = (1..q.len())
+            .filter(|&j| q.loss_mask[j] != 0)
+            .map(|j| q.logprobs[j]);
+        for (old, engine) in old.iter().zip(engine) {
+            if let Some(e) = engine {
+                ratios.push((f64::from(*old) - e).exp());
+            }
+        }
+    }
+    t.summary(
+        global_step,
+        &summary,
+        &[
+            ("run/advantages", advantages),
+            ("run/importance_ratios", ratios),
+        ],
+    );
 }
 
 pub(super) fn merge_lora(args: &MergeArgs) -> anyhow::Result<()> {

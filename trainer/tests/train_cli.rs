@@ -247,6 +247,10 @@ async fn train_writes_a_checkpoint_manifest_and_chart_and_advances_the_cursor() 
         page.matches("class=\"l\"").count() > 10,
         "trained tokens are marked"
     );
+    assert!(
+        page.contains("trainer log-prob -"),
+        "the trainer's log-prob of each trained token"
+    );
     let samples = read_json(&out.join("samples.json"));
     assert_eq!(samples["episodes"], 8);
     std::fs::remove_file(out.join("report.html")).unwrap();

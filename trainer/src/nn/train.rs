@@ -367,6 +367,47 @@ pub struct TrainResult {
     /// Distributed runs: what this rank sent into collectives in the whole update.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm: Option<Comm>,
+    /// The trainer's old log-prob of each loss token (the policy before this run's
+    /// first update, as the ratio's denominator uses it), by (mini-batch, micro-batch,
+    /// sequence), in the order of the sequence's loss tokens; first epoch, this rank's
+    /// micro-batches, at most [`MAX_RECORDED_LOGPROBS`] in all. For the run report and
+    /// the importance-ratio histogram.
+    #[serde(skip)]
+    pub old_logprobs: std::collections::HashMap<(usize, usize, usize), Vec<f32>>,
+}
+
+/// Old log-probs [`TrainResult::old_logprobs`] keeps at most (16 MiB).
+pub const MAX_RECORDED_LOGPROBS: usize = 4 << 20;
+
+/// Keeps the old log-probs `old` (`[n]`, the loss tokens of micro-batch `(k, m)` in
+/// sequence order) per sequence.
+fn record_old_logprobs(
+    into: &mut std::collections::HashMap<(usize, usize, usize), Vec<f32>>,
+    (k, m): (usize, usize),
+    micro: &MicroBatch,
+    old: &Tensor,
+) {
+    let kept: usize = into.values().map(Vec::len).sum();
+    if kept + old.numel() > MAX_RECORDED_LOGPROBS {
+        return;
+    }
+    let Ok(values) = Vec::<f32>::try_from(&old.to_device(Device::Cpu).to_kind(Kind::Float)) else {
+        return;
+    };
+    let mut rest = values.as_slice();
+    for (i, s) in micro.sequences.iter().enumerate() {
+        // The loss tokens `gather` takes: positions ≥ 1 with loss mask 1.
+        let n = s
+            .sequence
+            .loss_mask
+            .iter()
+            .skip(1)
+            .filter(|m| **m != 0)
+            .count();
+        let (mine, after) = rest.split_at(n.min(rest.len()));
+        into.insert((k, m, i), mine.to_vec());
+        rest = after;
+    }
 }
 
 /// Importance ratios of the tokens at one lag.
@@ -510,6 +551,7 @@ pub fn train_with(
         seconds: 0.0,
         importance_by_lag: Default::default(),
         comm: None,
+        old_logprobs: Default::default(),
     };
     let mut step = first_step;
     'epochs: for epoch in 0..options.epochs {
@@ -539,9 +581,13 @@ pub fn train_with(
                 }
                 let g = gather(micro, device);
                 let by_lag = &mut result.importance_by_lag;
+                let recorded = &mut result.old_logprobs;
                 let (s, e) = micro_step_with(model, &g, old[k][m].as_ref(), options, |old| {
                     if let (Some(latest), 0) = (options.latest_policy_version, epoch) {
                         add_lag_ratios(by_lag, latest, &g, old);
+                    }
+                    if epoch == 0 {
+                        record_old_logprobs(recorded, (k, m), micro, old);
                     }
                 });
                 stats.merge(&s);
