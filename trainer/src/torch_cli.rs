@@ -161,6 +161,9 @@ struct Finished {
     out: PathBuf,
     location: tapline_proto::store::StoreLocation,
     publish: Option<tapline_trainer::publish::PublishConfig>,
+    /// Where the run's metrics went and its last global step: a publish adds the
+    /// version there (`None`: a run found on disk by a restarted follower).
+    track: Option<(tapline_trainer::track::TrackOptions, PathBuf, u64)>,
 }
 
 /// The optimizer of a run: whole on this process, or sharded across the ranks.
@@ -276,6 +279,18 @@ impl Finished {
         let record = self.out.join(PUBLISHED_FILE);
         std::fs::write(&record, serde_json::to_vec_pretty(&published)?)
             .with_context(|| format!("write {}", record.display()))?;
+        if let Some((options, dir, step)) = &self.track {
+            tapline_trainer::track::record_published(
+                options,
+                dir,
+                *step,
+                &serde_json::to_value(&published)?,
+                published
+                    .superseded_by
+                    .is_none()
+                    .then_some(published.announcement.version),
+            );
+        }
         match published.superseded_by {
             None => println!(
                 "train: published {} as {}",
@@ -338,6 +353,7 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
                 out: dir.clone(),
                 location,
                 publish,
+                track: None,
             });
         }
     }
@@ -1111,10 +1127,14 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
         result.seconds,
         out.display()
     );
+    let track = tracker
+        .as_ref()
+        .map(|t| (loaded.config.track.clone(), t.dir().to_owned(), global_step));
     Ok(Some(Finished {
         out,
         location: loaded.location.clone(),
         publish: loaded.config.publish.clone(),
+        track,
     }))
 }
 

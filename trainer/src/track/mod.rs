@@ -347,6 +347,45 @@ impl Drop for Tracker {
     }
 }
 
+/// A run's adapter was published (after its tracker finished): a `policy_published`
+/// line in `metrics.jsonl` with what `publish` returned, and the announced version as
+/// the scalar `run/policy_version` at the run's last global step (`version` is `None`
+/// when another publisher's newer version won). Failures are logged, never returned.
+pub fn record_published(
+    options: &TrackOptions,
+    dir: &Path,
+    step: u64,
+    published: &Value,
+    version: Option<u64>,
+) {
+    if options.jsonl {
+        let line = json!({
+            "event": "policy_published",
+            "unix_secs": unix_secs(),
+            "step": step,
+            "version": version,
+            "published": published,
+        });
+        let written = File::options()
+            .create(true)
+            .append(true)
+            .open(dir.join(JSONL))
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = written {
+            tracing::warn!("tracking: metrics.jsonl: {e}");
+        }
+    }
+    if let (true, Some(v)) = (options.tensorboard, version) {
+        let written = tfevents::EventWriter::create(dir).and_then(|mut w| {
+            w.scalars(step, &[("run/policy_version".to_owned(), v as f64)])?;
+            w.flush()
+        });
+        if let Err(e) = written {
+            tracing::warn!("tracking: tensorboard: {e}");
+        }
+    }
+}
+
 /// What a run's batches say about rewards and advantages: the mean reward over episodes,
 /// its spread within groups (a group whose rewards are all equal teaches nothing), and
 /// the advantages of the loss tokens; with those advantages, for a histogram.
