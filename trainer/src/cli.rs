@@ -359,7 +359,7 @@ pub(crate) struct ReportArgs {
 
 #[derive(Args)]
 pub(crate) struct PlotArgs {
-    /// The PNG to write.
+    /// The SVG to write.
     #[arg(long)]
     pub(crate) out: PathBuf,
     /// Title of the chart.

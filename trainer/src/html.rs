@@ -183,70 +183,25 @@ const STYLE: &str = "body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;ma
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:.2em .6em;text-align:left;vertical-align:top}
 th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.charts{display:flex;flex-wrap:wrap;gap:1em}.chart{border:1px solid #ddd;padding:.3em}
-.chart text{font-size:10px;fill:#555}.chart .t{font-size:12px;fill:#222}
+.charts{display:flex;flex-wrap:wrap;gap:1em}.chart{border:1px solid #ddd;padding:.3em;width:400px}
+.chart svg{width:100%;height:auto}
 pre{background:#f7f7f7;padding:.6em;overflow:auto;max-height:30em}
 .seq{font:12px/1.6 ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;border:1px solid #ddd;padding:.5em;margin:.3em 0 1em}
 .seq span.p{color:#777}.seq span.l{border-radius:2px}
 .legend span{padding:0 .4em;margin-right:.5em}";
 
-/// A line chart of `points` (x, y) as inline SVG.
+/// One curve of the run as inline SVG (plotters, through [`crate::chart`]).
 fn chart(title: &str, points: &[(f64, f64)]) -> String {
-    let (w, h, pad) = (320.0, 180.0, 34.0);
-    let finite: Vec<(f64, f64)> = points
-        .iter()
-        .copied()
-        .filter(|(x, y)| x.is_finite() && y.is_finite())
-        .collect();
-    let mut svg = format!(
-        "<svg class=\"chart\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" role=\"img\" aria-label=\"{t}\"><text class=\"t\" x=\"{pad}\" y=\"14\">{t}</text>",
-        t = escape(title)
-    );
-    if finite.is_empty() {
-        svg.push_str("<text x=\"40\" y=\"90\">no data</text></svg>");
-        return svg;
-    }
-    let (x0, x1) = bounds(finite.iter().map(|p| p.0));
-    let (y0, y1) = bounds(finite.iter().map(|p| p.1));
-    let sx = |x: f64| pad + (x - x0) / (x1 - x0) * (w - pad - 8.0);
-    let sy = |y: f64| h - 20.0 - (y - y0) / (y1 - y0) * (h - 44.0);
-    let path: Vec<String> = finite
-        .iter()
-        .map(|(x, y)| format!("{:.1},{:.1}", sx(*x), sy(*y)))
-        .collect();
-    let _ = write!(
-        svg,
-        "<line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"#bbb\"/><line x1=\"{pad}\" y1=\"24\" x2=\"{pad}\" y2=\"{b}\" stroke=\"#bbb\"/>\
-<text x=\"2\" y=\"28\">{y1:.3}</text><text x=\"2\" y=\"{b}\">{y0:.3}</text><text x=\"{pad}\" y=\"{hb}\">{x0}</text><text x=\"{xr}\" y=\"{hb}\">{x1}</text>\
-<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{}\"/>",
-        path.join(" "),
-        b = h - 20.0,
-        r = w - 8.0,
-        hb = h - 6.0,
-        xr = w - 40.0,
-    );
-    for (x, y) in finite.iter().take(400) {
-        let _ = write!(
-            svg,
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"2\" fill=\"#1f77b4\"><title>step {x}: {y}</title></circle>",
-            sx(*x),
-            sy(*y)
-        );
-    }
-    svg.push_str("</svg>");
-    svg
-}
-
-/// The range of `values`, widened when it is a single value.
-fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
-        (lo.min(v), hi.max(v))
-    });
-    if hi > lo {
-        (lo, hi)
-    } else {
-        (lo - 0.5, hi + 0.5)
-    }
+    let panel = crate::chart::Panel {
+        title: title.to_owned(),
+        x_label: "step".into(),
+        series: vec![crate::chart::Series {
+            name: title.to_owned(),
+            points: points.to_vec(),
+        }],
+    };
+    let svg = crate::chart::render_svg("", &[panel]);
+    format!("<div class=\"chart\">{svg}</div>")
 }
 
 /// A two-column table of a JSON object's entries (nested objects as `a.b`).
@@ -559,7 +514,11 @@ mod tests {
         assert!(page.contains("zero_variance_group"));
         assert!(page.contains("engine log-prob -0.1000 · trainer log-prob -0.3000 (Δ -0.2000)"));
         assert!(page.contains("3 more tokens"));
-        assert_eq!(page.matches("<svg").count(), 9, "one chart per curve");
+        assert_eq!(
+            page.matches("<div class=\"chart\"><svg").count(),
+            9,
+            "one chart per curve"
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //!   table, then advances the cursor.
 //! - `train --store URL --model DIR --out DIR [--device cpu|cuda]`: the same, then the
 //!   policy-gradient update with libtorch, an HF checkpoint in `--out`, `manifest.json`
-//!   and `chart.png`; the cursor advances only once the checkpoint is complete.
+//!   and `chart.svg`; the cursor advances only once the checkpoint is complete.
 //!   With `[train.lora]` in the config (or `--adapter DIR`) it trains a LoRA adapter and
 //!   writes a PEFT adapter directory instead; the optimizer state (fp32 moments and
 //!   masters) is saved beside either and resumed from `--resume DIR`, `--adapter DIR`
@@ -101,7 +101,7 @@ enum Command {
     Publish(PublishArgs),
     /// Update throughput (tokens/s, MFU) on random weights of a real model's shape.
     BenchUpdate(BenchArgs),
-    /// Line chart PNG from JSON on stdin: `{"panels": [{"title", "x_label",
+    /// Line chart SVG from JSON on stdin: `{"panels": [{"title", "x_label",
     /// "series": [{"name", "points": [[x, y], ...]}]}]}`.
     Plot(PlotArgs),
     /// One chat request on stdin → `{"ids": [...]}`, the prompt ids `prepare` would use.
@@ -349,6 +349,16 @@ fn human_bytes(bytes: u64) -> String {
 
 fn plot(args: &PlotArgs) -> anyhow::Result<()> {
     use tapline_trainer::chart::{Panel, Series};
+    if args
+        .out
+        .extension()
+        .is_some_and(|e| !e.eq_ignore_ascii_case("svg"))
+    {
+        anyhow::bail!(
+            "--out {}: plot writes SVG (which any browser opens); name the file .svg",
+            args.out.display()
+        );
+    }
     let mut input = String::new();
     std::io::stdin()
         .read_to_string(&mut input)
@@ -393,6 +403,6 @@ fn plot(args: &PlotArgs) -> anyhow::Result<()> {
                 .unwrap_or_default(),
         })
         .collect::<Vec<_>>();
-    tapline_trainer::chart::write_png(&args.out, &args.title, &panels)
+    tapline_trainer::chart::write_svg(&args.out, &args.title, &panels)
         .with_context(|| format!("write {}", args.out.display()))
 }

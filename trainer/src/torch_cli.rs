@@ -995,11 +995,11 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     checkpoint_info["optimizer_step"] = serde_json::json!(state.step);
     let checkpoint_seconds = ckpt_started.elapsed().as_secs_f64();
     nn::manifest::write_chart(
-        &out.join("chart.png"),
+        &out.join("chart.svg"),
         &format!("tapline-trainer run {}", loaded.config.run),
         &result,
     )
-    .with_context(|| format!("write {}", out.join("chart.png").display()))?;
+    .with_context(|| format!("write {}", out.join("chart.svg").display()))?;
 
     let wall = started.elapsed().as_secs_f64();
     let tracking = tracker.as_mut().map(|t| {
@@ -1115,7 +1115,7 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     if let Some(t) = tracker.as_mut() {
         t.artifact(&out.join("manifest.json"));
         t.artifact(&out.join("report.html"));
-        t.artifact(&out.join("chart.png"));
+        t.artifact(&out.join("chart.svg"));
         t.finish(tapline_trainer::track::Status::Finished, None);
     }
     println!(

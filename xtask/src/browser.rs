@@ -82,7 +82,7 @@ pub fn check_report(page: &Path, screenshot: &Path) -> anyhow::Result<()> {
         console.is_empty(),
         "the report logged to the console: {console:?}"
     );
-    let charts = dom.matches("<svg class=\"chart\"").count();
+    let charts = dom.matches("<div class=\"chart\"><svg").count();
     ensure!(charts >= 9, "{charts} charts rendered, not 9");
     ensure!(
         dom.contains("<polyline"),

@@ -16,7 +16,7 @@
 //! model `policy` to it from then on, recording the version on each call. `--full` trains
 //! every weight instead and has the policy server reload the checkpoint (no versions).
 //! The last iteration only measures. It prints a line per iteration (with the version
-//! that served its calls) and writes `.cache/demo/reward.png`; the last line is `demo:
+//! that served its calls) and writes `.cache/demo/reward.svg`; the last line is `demo:
 //! mean reward first=<x> last=<y>`.
 //!
 //! `--smoke` is the short version `cargo xtask test` runs: two tiny iterations, then
@@ -616,7 +616,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         println!("{line}");
     }
 
-    let chart = dir.join("reward.png");
+    let chart = dir.join("reward.svg");
     let points: Vec<Value> = rewards
         .iter()
         .enumerate()

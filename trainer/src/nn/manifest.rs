@@ -1,5 +1,5 @@
 //! The record of a training run: `manifest.json` (everything needed to know what the
-//! run read, did, cost and wrote) and `chart.png` (reward, loss and gradient norm per
+//! run read, did, cost and wrote) and `chart.svg` (reward, loss and gradient norm per
 //! step). `manifest.json` is written last, so its presence means the checkpoint
 //! directory is complete.
 
@@ -148,7 +148,7 @@ pub fn write_chart(path: &Path, title: &str, result: &TrainResult) -> std::io::R
         x_label: "step".into(),
         series: s,
     };
-    crate::chart::write_png(
+    crate::chart::write_svg(
         path,
         title,
         &[
