@@ -162,6 +162,7 @@ pub(crate) struct TrainArgs {
     /// `train --follow`: the track directory when neither --track-dir nor the config
     /// names one (the --out root).
     #[arg(skip)]
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
     pub(crate) series_dir: Option<std::path::PathBuf>,
 }
 
