@@ -109,13 +109,8 @@ pub fn stamped_venv(
     Ok(python)
 }
 
-/// `pip install -r requirements` into the venv of `python`.
-pub fn pip_install_requirements(python: &Path, requirements: &Path) -> anyhow::Result<()> {
-    eprintln!(
-        "xtask: installing {} with {}",
-        requirements.display(),
-        python.display()
-    );
+/// `pip install --quiet ARGS` with the venv of `python`.
+pub fn pip_install(python: &Path, args: &[&std::ffi::OsStr]) -> anyhow::Result<()> {
     let status = Command::new(python)
         .args([
             "-m",
@@ -123,18 +118,27 @@ pub fn pip_install_requirements(python: &Path, requirements: &Path) -> anyhow::R
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            "-r",
         ])
-        .arg(requirements)
+        .args(args)
         .status()
         .with_context(|| format!("cannot run {}", python.display()))?;
     if !status.success() {
         bail!(
-            "pip install -r {} exited with {status}",
-            requirements.display()
+            "pip install {args:?} with {} exited with {status}",
+            python.display()
         );
     }
     Ok(())
+}
+
+/// `pip install -r requirements` into the venv of `python`.
+pub fn pip_install_requirements(python: &Path, requirements: &Path) -> anyhow::Result<()> {
+    eprintln!(
+        "xtask: installing {} with {}",
+        requirements.display(),
+        python.display()
+    );
+    pip_install(python, &["-r".as_ref(), requirements.as_os_str()])
 }
 
 /// (directory under `.cache/assets/`, npm package, version).
@@ -377,23 +381,14 @@ fn build_sdk_wheel(root: &Path, python: &Path) -> anyhow::Result<PathBuf> {
 }
 
 pub fn pip_install_wheel(python: &Path, wheel: &Path) -> anyhow::Result<()> {
-    let status = Command::new(python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--force-reinstall",
-        ])
-        .arg(wheel)
-        .status()
-        .with_context(|| format!("cannot run {}", python.display()))?;
-    if !status.success() {
-        bail!("installing {} exited with {status}", wheel.display());
-    }
-    Ok(())
+    pip_install(
+        python,
+        &[
+            "--no-deps".as_ref(),
+            "--force-reinstall".as_ref(),
+            wheel.as_os_str(),
+        ],
+    )
 }
 
 /// Installs `wheel` into a new, empty virtual environment and checks what a user of it

@@ -10,31 +10,10 @@ use anyhow::{Context, bail, ensure};
 
 /// Chromium's command, installed from Debian when missing.
 fn ensure_chromium() -> anyhow::Result<&'static str> {
-    let works = |c: &str| {
-        Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    for c in ["chromium", "chromium-browser"] {
-        if works(c) {
-            return Ok(c);
-        }
+    if super::runs("chromium-browser") && !super::runs("chromium") {
+        return Ok("chromium-browser");
     }
-    eprintln!("xtask: installing chromium (Debian package) for the report check");
-    super::run(Command::new("apt-get").args(["update", "-qq"]))?;
-    super::run(
-        Command::new("apt-get")
-            .args([
-                "install",
-                "-y",
-                "-qq",
-                "--no-install-recommends",
-                "chromium",
-            ])
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-    )?;
-    ensure!(works("chromium"), "chromium installed but does not run");
+    super::ensure_debian("chromium", "chromium", " for the report check")?;
     Ok("chromium")
 }
 

@@ -168,7 +168,7 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
             // `cargo test` built the sidecar binary; the Python tests drive that binary.
             let bin = root.join("target/debug/tapline-sidecar");
             // test_segments.py reads segments with the zstd command, as a user would.
-            ensure_zstd()?;
+            ensure_debian("zstd", "zstd", "")?;
             // The SDK as users get it: its wheel, which is also checked in a clean venv.
             let wheel = install_sdk(root, &python)?;
             check_wheel_in_clean_venv(root, &python, &wheel)?;
@@ -253,19 +253,29 @@ fn vllm_suite(root: &Path, smollm2: &Path) -> anyhow::Result<()> {
     .with_context(|| format!("vLLM's log: {}", server.log.display()))
 }
 
-/// Installs the zstd command from Debian when it is missing.
-fn ensure_zstd() -> anyhow::Result<()> {
-    let have = Command::new("zstd")
+/// Whether `command --version` runs and succeeds.
+fn runs(command: &str) -> bool {
+    Command::new(command)
         .arg("--version")
         .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        eprintln!("xtask: installing zstd (Debian package)");
-        run(Command::new("apt-get").args(["update", "-qq"]))?;
-        run(Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends", "zstd"])
-            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Installs Debian's `package` when `command` does not run (`command --version`), for
+/// `why` (said in the log line).
+fn ensure_debian(command: &str, package: &str, why: &str) -> anyhow::Result<()> {
+    if runs(command) {
+        return Ok(());
     }
+    eprintln!("xtask: installing {package} (Debian package){why}");
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends", package])
+        .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    anyhow::ensure!(
+        runs(command),
+        "{package} installed but `{command} --version` does not run"
+    );
     Ok(())
 }
 

