@@ -206,26 +206,12 @@ fn chart(title: &str, points: &[(f64, f64)]) -> String {
 
 /// A two-column table of a JSON object's entries (nested objects as `a.b`).
 fn kv_table(value: &Value) -> String {
-    fn walk(prefix: &str, v: &Value, rows: &mut Vec<(String, String)>) {
-        match v {
-            Value::Object(m) if !m.is_empty() => {
-                for (k, v) in m {
-                    let key = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}.{k}")
-                    };
-                    walk(&key, v, rows);
-                }
-            }
-            Value::String(s) => rows.push((prefix.to_owned(), s.clone())),
-            other => rows.push((prefix.to_owned(), other.to_string())),
-        }
-    }
-    let mut rows = Vec::new();
-    walk("", value, &mut rows);
     let mut out = String::from("<table>");
-    for (k, v) in rows {
+    for (k, v) in crate::flatten::leaves("", '.', value) {
+        let v = match v {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
         let _ = write!(
             out,
             "<tr><th>{}</th><td>{}</td></tr>",

@@ -25,6 +25,7 @@ pub mod clean;
 pub mod config;
 pub mod drift;
 pub mod export;
+pub mod flatten;
 pub mod html;
 pub mod ingest;
 pub mod merge;

@@ -489,26 +489,15 @@ fn unix_millis() -> u64 {
 /// A configuration as MLflow params: every value under `value` with its dotted path
 /// (`train.lr`), strings as they are, lists and tables below a list as JSON.
 pub fn params(value: &Value) -> Vec<(String, String)> {
-    fn walk(prefix: &str, v: &Value, out: &mut Vec<(String, String)>) {
-        match v {
-            Value::Null => {}
-            Value::Object(m) => {
-                for (k, v) in m {
-                    let key = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}.{k}")
-                    };
-                    walk(&key, v, out);
-                }
-            }
-            Value::String(s) => out.push((prefix.to_owned(), s.clone())),
-            other => out.push((prefix.to_owned(), other.to_string())),
-        }
-    }
-    let mut out = Vec::new();
-    walk("", value, &mut out);
-    out
+    crate::flatten::leaves("", '.', value)
+        .into_iter()
+        .filter_map(|(path, v)| match v {
+            Value::Null => None,
+            Value::Object(_) => None, // an empty table
+            Value::String(s) => Some((path, s.clone())),
+            other => Some((path, other.to_string())),
+        })
+        .collect()
 }
 
 #[cfg(test)]

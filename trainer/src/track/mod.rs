@@ -438,19 +438,12 @@ pub fn batch_summary(mini_batches: &[crate::batch::MiniBatch]) -> (Value, Vec<f6
 
 /// Every number under `value` as (`prefix/path`, number); booleans as 0 or 1.
 fn flatten(prefix: &str, value: &Value, out: &mut Vec<(String, f64)>) {
-    match value {
-        Value::Number(n) => {
-            if let Some(v) = n.as_f64() {
-                out.push((prefix.to_owned(), v));
-            }
+    for (path, v) in crate::flatten::leaves(prefix, '/', value) {
+        match v {
+            Value::Number(n) => out.extend(n.as_f64().map(|x| (path, x))),
+            Value::Bool(b) => out.push((path, f64::from(u8::from(*b)))),
+            _ => {}
         }
-        Value::Bool(b) => out.push((prefix.to_owned(), f64::from(u8::from(*b)))),
-        Value::Object(m) => {
-            for (k, v) in m {
-                flatten(&format!("{prefix}/{k}"), v, out);
-            }
-        }
-        _ => {}
     }
 }
 
