@@ -134,14 +134,25 @@ fn draw_panel<DB: DrawingBackend>(
     Ok(())
 }
 
-/// The chart as an SVG document.
+/// The chart as an SVG document, [`WIDTH`] wide, [`PANEL_HEIGHT`] per panel.
 pub fn render_svg(title: &str, panels: &[Panel]) -> String {
+    render_svg_sized(title, panels, (WIDTH, PANEL_HEIGHT))
+}
+
+/// The chart as an SVG document `width` pixels wide, `panel_height` per panel (the run
+/// report draws its curves at the size they are shown, so that their text is as large
+/// as the page's).
+pub fn render_svg_sized(
+    title: &str,
+    panels: &[Panel],
+    (width, panel_height): (u32, u32),
+) -> String {
     let n = panels.len().max(1) as u32;
     let title_height = if title.is_empty() { 0 } else { TITLE_HEIGHT };
-    let height = title_height + n * PANEL_HEIGHT;
+    let height = title_height + n * panel_height;
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         let drawn = (|| {
             root.fill(&WHITE)?;
             let body = if title.is_empty() {

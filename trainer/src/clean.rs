@@ -82,6 +82,9 @@ pub struct CleanEpisode {
     pub reward: f64,
     /// Per-call rewards by span id, combined the same way.
     pub call_rewards: HashMap<String, f64>,
+    /// The latest value of each named episode-level reward, unweighted (those without a
+    /// weight too): what the combined reward is made of, for watching a run.
+    pub components: BTreeMap<String, f64>,
     /// The calls that passed, in order.
     pub calls: Vec<LlmCall>,
 }
@@ -158,6 +161,7 @@ pub fn clean(
             group_id: episode.group_id,
             reward: combined.0,
             call_rewards: combined.1,
+            components: combined.2,
             calls,
         });
     }
@@ -173,11 +177,12 @@ pub fn policy_lag(call: &LlmCall, latest: u64) -> Option<u64> {
         .map(|v| latest.saturating_sub(v))
 }
 
-type Combined = (f64, HashMap<String, f64>);
+type Combined = (f64, HashMap<String, f64>, BTreeMap<String, f64>);
 
-/// The episode reward and per-call rewards: for each (span, name) the latest reward
-/// counts; unnamed rewards weigh `final_reward_weight`, named ones their weight in
-/// `reward_weights` (names without a weight are ignored).
+/// The episode reward, per-call rewards and the named episode-level components: for each
+/// (span, name) the latest reward counts; unnamed rewards weigh `final_reward_weight`,
+/// named ones their weight in `reward_weights` (names without a weight are ignored by
+/// the combined reward, and still reported as components).
 fn combine_rewards(episode: &Episode, options: &RewardOptions) -> Result<Combined, &'static str> {
     // Rewards are sorted by time, so later inserts win.
     let mut latest: BTreeMap<(&str, &str), f64> = BTreeMap::new();
@@ -194,7 +199,11 @@ fn combine_rewards(episode: &Episode, options: &RewardOptions) -> Result<Combine
     let mut total = 0.0;
     let mut any = false;
     let mut per_call: HashMap<String, f64> = HashMap::new();
+    let mut components = BTreeMap::new();
     for ((span, name), value) in latest {
+        if span.is_empty() && !name.is_empty() && value.is_finite() {
+            components.insert(name.to_owned(), value);
+        }
         let Some(w) = weight(name) else { continue };
         if !value.is_finite() {
             return Err("non_finite_reward");
@@ -212,7 +221,7 @@ fn combine_rewards(episode: &Episode, options: &RewardOptions) -> Result<Combine
     if !total.is_finite() {
         return Err("non_finite_reward");
     }
-    Ok((total, per_call))
+    Ok((total, per_call, components))
 }
 
 fn clean_calls(calls: Vec<LlmCall>, report: &mut Report) -> Vec<LlmCall> {
@@ -387,6 +396,9 @@ mod tests {
         let main = &out.episodes[0];
         assert_eq!(main.reward, 2.0 + 0.5);
         assert_eq!(main.call_rewards["g"], 0.5);
+        // The named component unweighted; the final reward and per-call ones are not
+        // components.
+        assert_eq!(main.components, [("tests".to_owned(), 1.0)].into());
         let spans: Vec<_> = main.calls.iter().map(|c| c.span_id.as_str()).collect();
         assert_eq!(spans, ["r2", "g"]);
         let d = &report.dropped;

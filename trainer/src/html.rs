@@ -183,12 +183,15 @@ const STYLE: &str = "body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;ma
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:.2em .6em;text-align:left;vertical-align:top}
 th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.charts{display:flex;flex-wrap:wrap;gap:1em}.chart{border:1px solid #ddd;padding:.3em;width:400px}
-.chart svg{width:100%;height:auto}
+.charts{display:flex;flex-wrap:wrap;gap:1em}.chart{border:1px solid #ddd;padding:.3em;max-width:100%}
+.chart svg{display:block;max-width:100%;height:auto}
 pre{background:#f7f7f7;padding:.6em;overflow:auto;max-height:30em}
 .seq{font:12px/1.6 ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;border:1px solid #ddd;padding:.5em;margin:.3em 0 1em}
 .seq span.p{color:#777}.seq span.l{border-radius:2px}
 .legend span{padding:0 .4em;margin-right:.5em}";
+
+/// The size of a curve in the page, drawn 1:1 (two side by side on a wide screen).
+const CHART_SIZE: (u32, u32) = (480, 300);
 
 /// One curve of the run as inline SVG (plotters, through [`crate::chart`]).
 fn chart(title: &str, points: &[(f64, f64)]) -> String {
@@ -200,7 +203,7 @@ fn chart(title: &str, points: &[(f64, f64)]) -> String {
             points: points.to_vec(),
         }],
     };
-    let svg = crate::chart::render_svg("", &[panel]);
+    let svg = crate::chart::render_svg_sized("", &[panel], CHART_SIZE);
     format!("<div class=\"chart\">{svg}</div>")
 }
 
@@ -317,6 +320,8 @@ pub fn render(manifest: &Value, samples: &Samples) -> String {
         out.push_str("<tr><td colspan=\"4\">nothing dropped</td></tr>");
     }
     out.push_str("</table>");
+    out.push_str("<h2 id=\"rewards\">Rewards and advantages</h2>");
+    out.push_str(&kv_table(&report["advantages"]));
     out.push_str("<h2 id=\"merge\">Merge</h2>");
     out.push_str(&kv_table(&report["merge"]));
     out.push_str("<h2 id=\"tokens\">Token ids and drift</h2>");
@@ -456,7 +461,8 @@ mod tests {
             "report": {"input": {"records": 10, "episodes": 4, "calls": 8},
                 "dropped": {"episodes": {"zero_variance_group": 2}, "examples": {"zero_variance_group": ["ep-<b>"]}},
                 "batches": {"sequences": 2, "tokens": 40, "loss_tokens": 12},
-                "merge": {"merged": 1}, "tokenize": {"calls": 8}, "policy": {"latest_version": 3}},
+                "merge": {"merged": 1}, "tokenize": {"calls": 8}, "policy": {"latest_version": 3},
+                "advantages": {"reward_mean": 0.3, "reward_components": {"tests": {"episodes": 2, "mean": 0.75}}}},
             "input_segments": [{"key": "seg/1", "sha256": "ff"}],
             "config": {"note": "</pre><script>alert(1)</script>"},
             "compute": {"device": "cpu"},
@@ -498,12 +504,20 @@ mod tests {
         assert!(page.contains("ep-&lt;b&gt;"));
         assert!(page.contains("e&quot;1"));
         assert!(page.contains("zero_variance_group"));
+        assert!(page.contains("<th>reward_components.tests.mean</th><td>0.75</td>"));
         assert!(page.contains("engine log-prob -0.1000 · trainer log-prob -0.3000 (Δ -0.2000)"));
         assert!(page.contains("3 more tokens"));
         assert_eq!(
             page.matches("<div class=\"chart\"><svg").count(),
             9,
             "one chart per curve"
+        );
+        // Drawn at the size shown, not scaled down (its text as large as the page's).
+        assert_eq!(
+            page.matches("<svg width=\"480\" height=\"300\"").count(),
+            9,
+            "{}",
+            &page[page.find("<svg").unwrap()..][..120]
         );
     }
 

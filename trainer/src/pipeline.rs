@@ -197,6 +197,24 @@ pub fn prepare(
         a.reward_min = rewards.iter().copied().fold(f64::INFINITY, f64::min);
         a.reward_max = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     }
+    for r in &ready {
+        for (name, &value) in &r.episode.components {
+            let c = a.reward_components.entry(name.clone()).or_insert_with(|| {
+                crate::report::ComponentStats {
+                    min: f64::INFINITY,
+                    max: f64::NEG_INFINITY,
+                    ..Default::default()
+                }
+            });
+            c.episodes += 1;
+            c.mean += value;
+            c.min = c.min.min(value);
+            c.max = c.max.max(value);
+        }
+    }
+    for c in a.reward_components.values_mut() {
+        c.mean /= c.episodes as f64;
+    }
     let (mut abs_sum, mut loss_tokens) = (0.0, 0u64);
     for (r, adv) in ready.iter().zip(&advantages) {
         for (s, adv) in r.sequences.iter().zip(adv) {

@@ -106,6 +106,22 @@ pub struct AdvantageCounts {
     pub reward_max: f64,
     /// Mean absolute advantage over sampled tokens.
     pub advantage_abs_mean: f64,
+    /// Each named episode-level reward component (unweighted) over the episodes trained
+    /// on that have it.
+    pub reward_components: BTreeMap<String, ComponentStats>,
+}
+
+/// One named reward component over the episodes that reported it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ComponentStats {
+    /// Episodes with it.
+    pub episodes: u64,
+    /// Its mean.
+    pub mean: f64,
+    /// Its smallest value.
+    pub min: f64,
+    /// Its largest value.
+    pub max: f64,
 }
 
 /// What was written.

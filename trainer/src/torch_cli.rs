@@ -161,9 +161,9 @@ struct Finished {
     out: PathBuf,
     location: tapline_proto::store::StoreLocation,
     publish: Option<tapline_trainer::publish::PublishConfig>,
-    /// Where the run's metrics went and its last global step: a publish adds the
-    /// version there (`None`: a run found on disk by a restarted follower).
-    track: Option<(tapline_trainer::track::TrackOptions, PathBuf, u64)>,
+    /// Where the run's metrics went: a publish adds the version there (`None`: not
+    /// tracked by this process, e.g. rank > 0).
+    track: Option<tapline_trainer::track::TrackedRun>,
 }
 
 /// The optimizer of a run: whole on this process, or sharded across the ranks.
@@ -279,11 +279,9 @@ impl Finished {
         let record = self.out.join(PUBLISHED_FILE);
         std::fs::write(&record, serde_json::to_vec_pretty(&published)?)
             .with_context(|| format!("write {}", record.display()))?;
-        if let Some((options, dir, step)) = &self.track {
+        if let Some(run) = &self.track {
             tapline_trainer::track::record_published(
-                options,
-                dir,
-                *step,
+                run,
                 &serde_json::to_value(&published)?,
                 published
                     .superseded_by
@@ -347,13 +345,15 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
     if let Some((_, dir)) = &previous {
         let location = tapline_proto::store::open_store(&args.prepare.store)?;
         finish_cursor_commit(&location, dir)?;
-        let publish = run_config_publish(dir)?;
+        let manifest = read_manifest(dir)?;
+        let publish = run_config_publish(dir, &manifest)?;
         if publish.is_some() && !dir.join(PUBLISHED_FILE).is_file() {
             unpublished = Some(Finished {
                 out: dir.clone(),
                 location,
                 publish,
-                track: None,
+                // Its publish joins the series the run was tracked in.
+                track: tapline_trainer::track::TrackedRun::from_manifest(&manifest),
             });
         }
     }
@@ -409,15 +409,21 @@ fn follow(args: TrainArgs) -> anyhow::Result<()> {
     }
 }
 
+/// The manifest of the finished run in `dir`.
+fn read_manifest(dir: &std::path::Path) -> anyhow::Result<Value> {
+    let path = dir.join("manifest.json");
+    serde_json::from_slice(
+        &std::fs::read(&path).with_context(|| format!("read {}", path.display()))?,
+    )
+    .with_context(|| format!("{} is not JSON", path.display()))
+}
+
 /// The `[publish]` section of the configuration a finished run recorded in its manifest.
 fn run_config_publish(
     dir: &std::path::Path,
+    manifest: &Value,
 ) -> anyhow::Result<Option<tapline_trainer::publish::PublishConfig>> {
     let path = dir.join("manifest.json");
-    let manifest: Value = serde_json::from_slice(
-        &std::fs::read(&path).with_context(|| format!("read {}", path.display()))?,
-    )
-    .with_context(|| format!("{} is not JSON", path.display()))?;
     match manifest["config"].get("publish") {
         None | Some(Value::Null) => Ok(None),
         Some(p) => Ok(Some(serde_json::from_value(p.clone()).with_context(
@@ -1129,7 +1135,12 @@ fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<O
     );
     let track = tracker
         .as_ref()
-        .map(|t| (loaded.config.track.clone(), t.dir().to_owned(), global_step));
+        .map(|t| tapline_trainer::track::TrackedRun {
+            options: loaded.config.track.clone(),
+            dir: t.dir().to_owned(),
+            step: global_step,
+            mlflow: t.mlflow_run().and_then(|(uri, id)| Some((uri, id?))),
+        });
     Ok(Some(Finished {
         out,
         location: loaded.location.clone(),
@@ -1150,6 +1161,8 @@ fn track_summary(
 ) {
     let (mut summary, advantages) = tapline_trainer::track::batch_summary(&prepared.mini_batches);
     let steps = result.steps.len().max(1) as f64;
+    summary["reward"]["components"] =
+        serde_json::to_value(&prepared.report.advantages.reward_components).unwrap_or_default();
     let policy = &prepared.report.policy;
     summary["policy"] = serde_json::json!({
         "latest_version": policy.latest_version,

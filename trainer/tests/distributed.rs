@@ -324,6 +324,41 @@ async fn two_ranks_give_the_checkpoint_of_one_process() {
             &tmp.path().join("store"),
             &format!("{name}-two")
         ));
+        // The report's trainer log-probs: every rank's micro-batches, gathered on rank 0,
+        // the same as one process computed.
+        let trainer_logprobs = |dir: &Path| -> Vec<Option<f64>> {
+            let samples = read_json(&dir.join("samples.json"));
+            samples["samples"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|s| s["tokens"].as_array().unwrap().clone())
+                .filter(|t| t["loss"] == true)
+                .map(|t| t["trainer_logprob"].as_f64())
+                .collect()
+        };
+        let (a, b) = (trainer_logprobs(&one), trainer_logprobs(&two));
+        assert!(
+            !a.is_empty() && a.len() == b.len(),
+            "{name}: {} vs {}",
+            a.len(),
+            b.len()
+        );
+        assert!(
+            b.iter().all(Option::is_some),
+            "{name}: loss tokens without a trainer log-prob in the two-rank report"
+        );
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x.unwrap() - y.unwrap()).abs())
+            .fold(0.0, f64::max);
+        // The same weights before the first update: bf16 forward passes agree to bf16.
+        let lp_tolerance = if name == "bf16" { 2e-2 } else { 1e-4 };
+        assert!(
+            worst <= lp_tolerance,
+            "{name}: trainer log-probs differ by {worst}"
+        );
     }
 }
 

@@ -263,6 +263,16 @@ fn build_world() -> World {
             );
         }
         trace.reward(script.episode, "", "", script.reward);
+        // A named component without a weight: reported, not part of the reward.
+        let tests = match script.episode {
+            "ep-exact" => Some(1.0),
+            "ep-text" => Some(0.5),
+            "ep-same-1" => Some(9.0), // its group is dropped: not counted
+            _ => None,
+        };
+        if let Some(v) = tests {
+            trace.reward(script.episode, "", "tests", v);
+        }
         trace.end(script.episode, script.task, "", false);
     }
     // Still running (recent): pending. Incomplete: dropped.
@@ -386,6 +396,11 @@ async fn records_become_exact_batches_and_drift_is_reported_not_merged() {
         .flat_map(|t| &t.weights)
         .sum();
     assert!((total - 1.0).abs() < 1e-9, "{total}");
+    // The named component over the episodes trained on that have it.
+    let c = &prepared.report.advantages.reward_components;
+    assert_eq!(c.keys().collect::<Vec<_>>(), ["tests"], "{c:?}");
+    let t = &c["tests"];
+    assert_eq!((t.episodes, t.mean, t.min, t.max), (2, 0.75, 0.5, 1.0));
 
     // Over-long sequences are dropped by name.
     let read = read_store(&store, None, &config.ingest, 0)

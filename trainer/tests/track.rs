@@ -288,6 +288,36 @@ fn mlflow_holds_the_runs_params_metrics_artifacts_and_status() {
     );
     assert_eq!(reward["metrics"][0]["value"], 0.75);
     assert_eq!(reward["metrics"][0]["step"], 600);
+    // A publish after the run finished adds its version to the same MLflow run.
+    let run = tapline_trainer::track::TrackedRun {
+        options: options.clone(),
+        dir: dir.path().to_owned(),
+        step: 1200,
+        mlflow: Some((server.url.clone(), run_ids[1].clone())),
+    };
+    tapline_trainer::track::record_published(&run, &json!({"version": 7}), Some(7));
+    let version = get_json(
+        url,
+        &format!(
+            "/api/2.0/mlflow/metrics/get-history?run_id={}&metric_key=run/policy_version",
+            run_ids[1]
+        ),
+    );
+    assert_eq!(version["metrics"][0]["value"], 7.0, "{version}");
+    assert_eq!(version["metrics"][0]["step"], 1200);
+    let info = get_json(
+        url,
+        &format!("/api/2.0/mlflow/runs/get?run_id={}", run_ids[1]),
+    );
+    assert_eq!(info["run"]["info"]["status"], "FINISHED");
+    let published: Vec<Value> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|l| l["event"] == "policy_published")
+        .collect();
+    assert_eq!(published.len(), 1);
+    assert_eq!(published[0]["step"], 1200);
 }
 
 /// A server that accepts connections and answers each with `answer` (`None`: never).

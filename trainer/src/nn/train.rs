@@ -369,9 +369,10 @@ pub struct TrainResult {
     pub comm: Option<Comm>,
     /// The trainer's old log-prob of each loss token (the policy before this run's
     /// first update, as the ratio's denominator uses it), by (mini-batch, micro-batch,
-    /// sequence), in the order of the sequence's loss tokens; first epoch, this rank's
-    /// micro-batches, at most [`MAX_RECORDED_LOGPROBS`] in all. For the run report and
-    /// the importance-ratio histogram.
+    /// sequence), in the order of the sequence's loss tokens; first epoch, at most
+    /// [`MAX_RECORDED_LOGPROBS`] in all (distributed: every rank's micro-batches, each
+    /// rank keeping its share of the cap, gathered on rank 0; other ranks keep none).
+    /// For the run report and the importance-ratio histogram.
     #[serde(skip)]
     pub old_logprobs: std::collections::HashMap<(usize, usize, usize), Vec<f32>>,
 }
@@ -379,16 +380,19 @@ pub struct TrainResult {
 /// Old log-probs [`TrainResult::old_logprobs`] keeps at most (16 MiB).
 pub const MAX_RECORDED_LOGPROBS: usize = 4 << 20;
 
+type OldLogprobs = std::collections::HashMap<(usize, usize, usize), Vec<f32>>;
+
 /// Keeps the old log-probs `old` (`[n]`, the loss tokens of micro-batch `(k, m)` in
-/// sequence order) per sequence.
+/// sequence order) per sequence, while fewer than `cap` are kept.
 fn record_old_logprobs(
-    into: &mut std::collections::HashMap<(usize, usize, usize), Vec<f32>>,
+    into: &mut OldLogprobs,
     (k, m): (usize, usize),
     micro: &MicroBatch,
     old: &Tensor,
+    cap: usize,
 ) {
     let kept: usize = into.values().map(Vec::len).sum();
-    if kept + old.numel() > MAX_RECORDED_LOGPROBS {
+    if kept + old.numel() > cap {
         return;
     }
     let Ok(values) = Vec::<f32>::try_from(&old.to_device(Device::Cpu).to_kind(Kind::Float)) else {
@@ -582,12 +586,13 @@ pub fn train_with(
                 let g = gather(micro, device);
                 let by_lag = &mut result.importance_by_lag;
                 let recorded = &mut result.old_logprobs;
+                let cap = MAX_RECORDED_LOGPROBS / group.map_or(1, Group::size);
                 let (s, e) = micro_step_with(model, &g, old[k][m].as_ref(), options, |old| {
                     if let (Some(latest), 0) = (options.latest_policy_version, epoch) {
                         add_lag_ratios(by_lag, latest, &g, old);
                     }
                     if epoch == 0 {
-                        record_old_logprobs(recorded, (k, m), micro, old);
+                        record_old_logprobs(recorded, (k, m), micro, old, cap);
                     }
                 });
                 stats.merge(&s);
@@ -671,6 +676,7 @@ pub fn train_with(
     }
     if let Some(group) = group {
         result.importance_by_lag = merge_lag_ratios(group, &result.importance_by_lag)?;
+        result.old_logprobs = gather_old_logprobs(group, std::mem::take(&mut result.old_logprobs))?;
         result.comm = Some(optimizer.comm());
     }
     model.set_requires_grad(false);
@@ -736,6 +742,46 @@ fn reduce_stats(
 }
 
 /// Every rank's importance ratios by lag, merged (token-weighted means), on every rank.
+/// Every rank's recorded old log-probs, on rank 0 (the others get none back): each
+/// entry as k, m, i, n (u32 LE) and n f32 LE.
+fn gather_old_logprobs(group: &Group, mine: OldLogprobs) -> Result<OldLogprobs, TrainError> {
+    let mut bytes = Vec::new();
+    for ((k, m, i), values) in &mine {
+        for x in [*k, *m, *i, values.len()] {
+            bytes.extend_from_slice(&(x as u32).to_le_bytes());
+        }
+        for v in values {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    drop(mine);
+    let all = group.exchange("old_logprobs", &bytes)?;
+    let mut merged = OldLogprobs::new();
+    if group.rank() != 0 {
+        return Ok(merged);
+    }
+    for value in all {
+        let mut rest = value.as_slice();
+        let u32s = |rest: &mut &[u8], n: usize| -> Option<Vec<u32>> {
+            let (head, tail) = rest.split_at_checked(4 * n)?;
+            *rest = tail;
+            Some(
+                head.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            )
+        };
+        while let Some(h) = u32s(&mut rest, 4) {
+            let Some(v) = u32s(&mut rest, h[3] as usize) else {
+                break;
+            };
+            let values = v.into_iter().map(f32::from_bits).collect();
+            merged.insert((h[0] as usize, h[1] as usize, h[2] as usize), values);
+        }
+    }
+    Ok(merged)
+}
+
 fn merge_lag_ratios(
     group: &Group,
     mine: &std::collections::BTreeMap<String, LagRatio>,

@@ -440,6 +440,34 @@ impl Worker {
     }
 }
 
+/// One metric into the existing run `run_id` at `uri`, waiting for the answer (at most
+/// `timeout`): for what happens after a run ended, e.g. its publish.
+pub fn log_metric(
+    uri: &str,
+    run_id: &str,
+    key: &str,
+    value: f64,
+    step: u64,
+    timeout: Duration,
+) -> Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("start a runtime: {e}"))?;
+    let client = reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .map_err(|e| format!("make an HTTP client: {e}"))?;
+    let body = json!({
+        "run_id": run_id,
+        "metrics": [{"key": cut(key, MAX_KEY), "value": value, "timestamp": unix_millis(), "step": step}],
+    });
+    let url = format!("{uri}/api/2.0/mlflow/runs/log-batch");
+    runtime
+        .block_on(async { check(client.post(&url).json(&body).send().await).await })
+        .map(drop)
+}
+
 /// The JSON of a 2xx answer; anything else as an error that says what came back.
 async fn check(resp: reqwest::Result<reqwest::Response>) -> Result<Value, String> {
     let resp = resp.map_err(|e| {

@@ -347,17 +347,54 @@ impl Drop for Tracker {
     }
 }
 
+/// Where a finished run's metrics went, so that what happens to the run afterwards (its
+/// publish) joins the same series: the options it ran with, its tracking directory, its
+/// last global step and its MLflow run (tracking URI, run id).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrackedRun {
+    /// The run's `[track]`.
+    pub options: TrackOptions,
+    /// Its tracking directory.
+    pub dir: PathBuf,
+    /// Its last global step.
+    pub step: u64,
+    /// Its MLflow run, when the server made one: (tracking URI, run id).
+    pub mlflow: Option<(String, String)>,
+}
+
+impl TrackedRun {
+    /// The tracking a run's manifest recorded (`None`: it tracked nothing, e.g. a manifest
+    /// written before tracking existed). A restarted `train --follow` publishes a run
+    /// found on disk with this.
+    pub fn from_manifest(manifest: &Value) -> Option<Self> {
+        let tracking = manifest.get("tracking").filter(|t| !t.is_null())?;
+        let options: TrackOptions =
+            serde_json::from_value(manifest["config"].get("track")?.clone()).ok()?;
+        let dir = PathBuf::from(tracking["dir"].as_str()?);
+        let step = manifest["checkpoint"]["global_step"].as_u64().or_else(|| {
+            let before = manifest["model"]["global_step_before"].as_u64()?;
+            Some(before + manifest["steps"].as_array()?.len() as u64)
+        })?;
+        let mlflow = tracking["mlflow"]["uri"]
+            .as_str()
+            .zip(tracking["mlflow"]["run_id"].as_str())
+            .map(|(uri, id)| (uri.to_owned(), id.to_owned()));
+        Some(TrackedRun {
+            options,
+            dir,
+            step,
+            mlflow,
+        })
+    }
+}
+
 /// A run's adapter was published (after its tracker finished): a `policy_published`
 /// line in `metrics.jsonl` with what `publish` returned, and the announced version as
-/// the scalar `run/policy_version` at the run's last global step (`version` is `None`
+/// the scalar `run/policy_version` at the run's last global step, in TensorBoard and in
+/// the run's MLflow run (MLflow takes metrics into a finished run; `version` is `None`
 /// when another publisher's newer version won). Failures are logged, never returned.
-pub fn record_published(
-    options: &TrackOptions,
-    dir: &Path,
-    step: u64,
-    published: &Value,
-    version: Option<u64>,
-) {
+pub fn record_published(run: &TrackedRun, published: &Value, version: Option<u64>) {
+    let (options, dir, step) = (&run.options, &run.dir, run.step);
     if options.jsonl {
         let line = json!({
             "event": "policy_published",
@@ -375,13 +412,25 @@ pub fn record_published(
             tracing::warn!("tracking: metrics.jsonl: {e}");
         }
     }
-    if let (true, Some(v)) = (options.tensorboard, version) {
+    let Some(v) = version else { return };
+    if options.tensorboard {
         let written = tfevents::EventWriter::create(dir).and_then(|mut w| {
             w.scalars(step, &[("run/policy_version".to_owned(), v as f64)])?;
             w.flush()
         });
         if let Err(e) = written {
             tracing::warn!("tracking: tensorboard: {e}");
+        }
+    }
+    if let (Some(m), Some((uri, run_id))) = (&options.mlflow, &run.mlflow) {
+        let timeout = std::time::Duration::from_secs_f64(m.timeout_secs);
+        if let Err(e) =
+            mlflow::log_metric(uri, run_id, "run/policy_version", v as f64, step, timeout)
+        {
+            tracing::warn!("tracking: mlflow: run/policy_version: {e}");
+            eprintln!(
+                "train: tracking the published version to MLflow failed ({e}); metrics.jsonl has it"
+            );
         }
     }
 }
@@ -602,5 +651,32 @@ mod tests {
                 ("run/b/e".to_owned(), 1.0)
             ]
         );
+    }
+
+    #[test]
+    fn a_manifest_says_where_its_run_was_tracked() {
+        let manifest = json!({
+            "config": {"track": {"jsonl": true, "tensorboard": true}},
+            "tracking": {"dir": "/runs", "backends": ["jsonl"], "failures": 0,
+                         "mlflow": {"uri": "http://m:5000", "run_id": "abc"}},
+            "checkpoint": {"global_step": 12},
+        });
+        let run = TrackedRun::from_manifest(&manifest).unwrap();
+        assert!(run.options.tensorboard);
+        assert_eq!(run.dir, PathBuf::from("/runs"));
+        assert_eq!(run.step, 12);
+        assert_eq!(run.mlflow, Some(("http://m:5000".into(), "abc".into())));
+        // Without a checkpoint step: the steps after the one it started from.
+        let mut older = manifest.clone();
+        older["checkpoint"] = json!({});
+        older["model"] = json!({"global_step_before": 4});
+        older["steps"] = json!([{}, {}]);
+        older["tracking"]["mlflow"] = json!({"uri": "http://m:5000", "run_id": null});
+        let run = TrackedRun::from_manifest(&older).unwrap();
+        assert_eq!((run.step, run.mlflow), (6, None));
+        // A manifest from before tracking, or of a rank that did not track.
+        let mut untracked = manifest;
+        untracked["tracking"] = Value::Null;
+        assert_eq!(TrackedRun::from_manifest(&untracked), None);
     }
 }
