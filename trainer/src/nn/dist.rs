@@ -17,11 +17,10 @@
 //!   Optimizer memory per rank is `1/world` of the replicated one. Its saved state is
 //!   gathered into the single-process format, so a run resumes on any number of ranks.
 
-use std::time::Instant;
-
 use tapline_c10d::{Group, ReduceOp};
 use tch::{Device, Kind, Tensor};
 
+pub use super::comm::Comm;
 use super::optim::{self, AdamW, Hyper, StateEntry, StateError, StateInfo};
 
 /// Elements moved per collective call (32 MB of fp32): bounds the temporary buffers.
@@ -45,32 +44,6 @@ pub fn assign(tokens: &[u64], ranks: usize) -> Vec<Vec<usize>> {
         v.sort_unstable();
     }
     out
-}
-
-/// Communication of a run: bytes this rank sent into collectives, and their seconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct Comm {
-    /// Bytes of tensors handed to collectives (each counted once, as sent).
-    pub bytes: u64,
-    /// Seconds inside collectives (waiting for the slowest rank included).
-    pub seconds: f64,
-    /// Collective calls.
-    pub calls: u64,
-}
-
-impl Comm {
-    fn time<T>(
-        &mut self,
-        bytes: i64,
-        f: impl FnOnce() -> Result<T, tapline_c10d::Error>,
-    ) -> Result<T, tapline_c10d::Error> {
-        let started = Instant::now();
-        let out = f();
-        self.seconds += started.elapsed().as_secs_f64();
-        self.bytes += u64::try_from(bytes).unwrap_or(0);
-        self.calls += 1;
-        out
-    }
 }
 
 /// What the update loop needs of an optimizer, single-process or distributed.

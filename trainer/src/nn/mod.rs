@@ -22,6 +22,8 @@
 pub mod bench;
 #[cfg(feature = "torch")]
 pub mod checkpoint;
+#[cfg(feature = "torch")]
+pub mod comm;
 pub mod config;
 #[cfg(feature = "torch")]
 pub mod dist;

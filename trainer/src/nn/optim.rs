@@ -59,7 +59,7 @@ pub struct AdamW {
     /// Decoupled weight decay.
     pub weight_decay: f64,
     /// Communication of its gradient all-reduces (distributed runs).
-    pub(crate) comm: super::dist::Comm,
+    pub(crate) comm: super::comm::Comm,
 }
 
 /// Why an optimizer state could not be saved or resumed.

@@ -1,8 +1,6 @@
-//! The commands of `tapline-trainer` that need libtorch (the `torch` feature): `train`
-//! (once, or `--follow`), `score`, `merge-lora` and `bench-update`. The arguments and
-//! the torch-free commands are in `main.rs`.
+//! `train`: one run (read the store, prepare, load, update, checkpoint, manifest, report,
+//! publish); `--follow` repeats it (`follow.rs`).
 
-use std::io::Read as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -12,6 +10,23 @@ use tapline_trainer::ingest;
 use tapline_trainer::nn::{self, Transformer, checkpoint};
 
 use crate::cli::*;
+
+use super::{STOP, stop_requested};
+
+pub(crate) fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let launch = tapline_c10d::Launch::from_env()?.filter(|l| l.world_size > 1);
+    if args.follow {
+        anyhow::ensure!(
+            launch.is_none(),
+            "--follow runs in one process: run distributed training as one job per batch (a Kubernetes Job or CronJob starting torchrun, see examples/deploy/README.md), or unset WORLD_SIZE"
+        );
+        return super::follow::follow(args);
+    }
+    if let Some(done) = train_once(&args, None)? {
+        done.publish()?;
+    }
+    Ok(())
+}
 
 /// Where a training run's weights and optimizer state come from.
 struct Start {
@@ -100,70 +115,86 @@ fn load_start(
     })
 }
 
-/// SIGTERM / Ctrl-C seen (`train --follow`).
-static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-fn stop_requested() -> bool {
-    STOP.load(std::sync::atomic::Ordering::SeqCst)
-}
-
-/// Sets [`STOP`] on SIGTERM or SIGINT, from a thread of its own.
-fn watch_signals() -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    std::thread::spawn(move || {
-        runtime.block_on(async {
-            let Ok(mut term) =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            else {
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            eprintln!(
-                "train: stop requested; a run in progress stops after its current step and is dropped (trained again on the next start; signal again to exit at once)"
-            );
-            STOP.store(true, std::sync::atomic::Ordering::SeqCst);
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            // Safe at any point: a run directory without its manifest is removed on
-            // restart, the manifest and the cursor are each replaced whole, and a claimed
-            // version that never went live is skipped.
-            eprintln!("train: second stop signal; exiting now");
-            std::process::exit(130);
-        });
-    });
-    Ok(())
-}
-
-pub(super) fn train(args: TrainArgs) -> anyhow::Result<()> {
-    let launch = tapline_c10d::Launch::from_env()?.filter(|l| l.world_size > 1);
-    if args.follow {
-        anyhow::ensure!(
-            launch.is_none(),
-            "--follow runs in one process: run distributed training as one job per batch (a Kubernetes Job or CronJob starting torchrun, see examples/deploy/README.md), or unset WORLD_SIZE"
-        );
-        return follow(args);
-    }
-    if let Some(done) = train_once(&args, None)? {
-        done.publish()?;
-    }
-    Ok(())
-}
-
 /// A finished run (manifest written, cursor advanced) and where it is published.
-struct Finished {
-    out: PathBuf,
-    location: tapline_proto::store::StoreLocation,
-    publish: Option<tapline_trainer::publish::PublishConfig>,
+pub(super) struct Finished {
+    pub(super) out: PathBuf,
+    pub(super) location: tapline_proto::store::StoreLocation,
+    pub(super) publish: Option<tapline_trainer::publish::PublishConfig>,
     /// Where the run's metrics went: a publish adds the version there (`None`: not
     /// tracked by this process, e.g. rank > 0).
-    track: Option<tapline_trainer::track::TrackedRun>,
+    pub(super) track: Option<tapline_trainer::track::TrackedRun>,
+}
+
+impl Finished {
+    /// Publishes the run per its `[publish]` section (nothing without one).
+    pub(super) fn publish(&self) -> anyhow::Result<()> {
+        let Some(publish) = &self.publish else {
+            return Ok(());
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("start the async runtime")?;
+        let options = publish.options(&self.out);
+        let published = runtime
+            .block_on(tapline_trainer::publish::publish(&self.location, &options))
+            .with_context(|| {
+                format!(
+                    "trained, but not published; retry with `tapline-trainer publish --store {} --policy {} --from {}`",
+                    self.location.display,
+                    publish.policy,
+                    self.out.display()
+                )
+            })?;
+        let record = self.out.join(PUBLISHED_FILE);
+        std::fs::write(&record, serde_json::to_vec_pretty(&published)?)
+            .with_context(|| format!("write {}", record.display()))?;
+        if let Some(run) = &self.track {
+            tapline_trainer::track::record_published(
+                run,
+                &serde_json::to_value(&published)?,
+                published
+                    .superseded_by
+                    .is_none()
+                    .then_some(published.announcement.version),
+            );
+        }
+        match published.superseded_by {
+            None => println!(
+                "train: published {} as {}",
+                self.out.display(),
+                published.announcement.served_model
+            ),
+            Some(newer) => println!(
+                "train: loaded {} as {}, but another publisher announced version {newer} first; it stays unannounced",
+                self.out.display(),
+                published.announcement.served_model
+            ),
+        }
+        Ok(())
+    }
+}
+
+/// Written into a run directory once its adapter was published (`train --follow`
+/// publishes a run that lacks it when it starts again).
+pub(super) const PUBLISHED_FILE: &str = "published.json";
+
+/// What a run committed to its cursor: written before the manifest, so that a stop
+/// between the manifest and the cursor write can be finished on restart.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub(super) struct CursorCommit {
+    pub(super) run: String,
+    pub(super) before: ingest::Cursor,
+    pub(super) after: ingest::Cursor,
+}
+
+/// Renames the cursor commit of `dir` to say it is in the store.
+pub(super) fn committed(dir: &std::path::Path) -> anyhow::Result<()> {
+    std::fs::rename(
+        dir.join(CURSOR_COMMIT_FILE),
+        dir.join(CURSOR_COMMITTED_FILE),
+    )
+    .with_context(|| format!("rename {}/{CURSOR_COMMIT_FILE}", dir.display()))
 }
 
 /// The optimizer of a run: whole on this process, or sharded across the ranks.
@@ -249,259 +280,6 @@ fn check_same_batches(
         );
     }
     Ok(())
-}
-
-/// Written into a run directory once its adapter was published (`train --follow`
-/// publishes a run that lacks it when it starts again).
-const PUBLISHED_FILE: &str = "published.json";
-
-impl Finished {
-    /// Publishes the run per its `[publish]` section (nothing without one).
-    fn publish(&self) -> anyhow::Result<()> {
-        let Some(publish) = &self.publish else {
-            return Ok(());
-        };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("start the async runtime")?;
-        let options = publish.options(&self.out);
-        let published = runtime
-            .block_on(tapline_trainer::publish::publish(&self.location, &options))
-            .with_context(|| {
-                format!(
-                    "trained, but not published; retry with `tapline-trainer publish --store {} --policy {} --from {}`",
-                    self.location.display,
-                    publish.policy,
-                    self.out.display()
-                )
-            })?;
-        let record = self.out.join(PUBLISHED_FILE);
-        std::fs::write(&record, serde_json::to_vec_pretty(&published)?)
-            .with_context(|| format!("write {}", record.display()))?;
-        if let Some(run) = &self.track {
-            tapline_trainer::track::record_published(
-                run,
-                &serde_json::to_value(&published)?,
-                published
-                    .superseded_by
-                    .is_none()
-                    .then_some(published.announcement.version),
-            );
-        }
-        match published.superseded_by {
-            None => println!(
-                "train: published {} as {}",
-                self.out.display(),
-                published.announcement.served_model
-            ),
-            Some(newer) => println!(
-                "train: loaded {} as {}, but another publisher announced version {newer} first; it stays unannounced",
-                self.out.display(),
-                published.announcement.served_model
-            ),
-        }
-        Ok(())
-    }
-}
-
-/// `train --follow`: runs into `--out/000001`, `--out/000002`, ... each continuing from
-/// the one before.
-///
-/// A stop signal ends the run in progress after its current step and drops it (nothing
-/// written, the cursor not advanced: the next start trains that batch again), then the
-/// follower. What a stop at any other point leaves is picked up by the next start: a run directory
-/// without a manifest is removed and trained again (the cursor was not advanced); a run
-/// whose manifest was written but whose cursor was not (`cursor-commit.json` says both)
-/// gets its cursor written; a run not published yet (no `published.json`) is published,
-/// unless a newer run is. A publish that fails is retried at every poll, and given up
-/// for a newer run's, which carries the same training on.
-fn follow(args: TrainArgs) -> anyhow::Result<()> {
-    if !(args.poll_secs.is_finite() && args.poll_secs > 0.0) {
-        anyhow::bail!(
-            "--poll-secs {} is not a positive number of seconds",
-            args.poll_secs
-        );
-    }
-    anyhow::ensure!(
-        !args.prepare.no_cursor,
-        "--follow needs the run's cursor to know what was trained on: drop --no-cursor (with it every run would train on the same data again)"
-    );
-    watch_signals()?;
-    let base = args.prepare.out.clone();
-    std::fs::create_dir_all(&base).with_context(|| format!("create {}", base.display()))?;
-    // Continue after the runs already in --out (a restarted follower).
-    let mut previous: Option<(u64, PathBuf)> = std::fs::read_dir(&base)?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let n: u64 = e.file_name().to_str()?.parse().ok()?;
-            e.path()
-                .join("manifest.json")
-                .is_file()
-                .then(|| (n, e.path()))
-        })
-        .max();
-    let mut unpublished: Option<Finished> = None;
-    if let Some((_, dir)) = &previous {
-        let location = tapline_proto::store::open_store(&args.prepare.store)?;
-        finish_cursor_commit(&location, dir)?;
-        let manifest = read_manifest(dir)?;
-        let publish = run_config_publish(dir, &manifest)?;
-        if publish.is_some() && !dir.join(PUBLISHED_FILE).is_file() {
-            unpublished = Some(Finished {
-                out: dir.clone(),
-                location,
-                publish,
-                // Its publish joins the series the run was tracked in.
-                track: tapline_trainer::track::TrackedRun::from_manifest(&manifest),
-            });
-        }
-    }
-    let try_publish = |unpublished: &mut Option<Finished>| {
-        if let Some(done) = unpublished.as_ref() {
-            match done.publish() {
-                Ok(()) => *unpublished = None,
-                Err(e) => eprintln!(
-                    "train: {e:#}; retrying at the next poll (or when the follower starts again)"
-                ),
-            }
-        }
-    };
-    loop {
-        try_publish(&mut unpublished);
-        if stop_requested() {
-            println!("train: stopped");
-            return Ok(());
-        }
-        let n = previous.as_ref().map_or(1, |(n, _)| n + 1);
-        let mut run = args.clone();
-        run.prepare.out = base.join(format!("{n:06}"));
-        // One series for all the runs: their metrics in the --out root.
-        run.series_dir = Some(base.clone());
-        if let Some((_, dir)) = &previous {
-            run.resume = Some(dir.clone());
-            run.adapter = None;
-            run.fresh_optimizer = false;
-        }
-        if run.prepare.out.exists() {
-            // A run that stopped before its manifest: start it again.
-            std::fs::remove_dir_all(&run.prepare.out)
-                .with_context(|| format!("remove the unfinished {}", run.prepare.out.display()))?;
-        }
-        let trained = train_once(&run, args.min_episodes.or(Some(0)))?;
-        let waited = trained.is_none();
-        if let Some(done) = trained {
-            previous = Some((n, done.out.clone()));
-            // A newer run carries the unpublished one's training on: publish it instead.
-            unpublished = Some(done);
-            try_publish(&mut unpublished);
-        }
-        if stop_requested() {
-            println!("train: stopped");
-            return Ok(());
-        }
-        if waited || unpublished.is_some() {
-            let until = Instant::now() + std::time::Duration::from_secs_f64(args.poll_secs);
-            while Instant::now() < until && !stop_requested() {
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-        }
-    }
-}
-
-/// The manifest of the finished run in `dir`.
-fn read_manifest(dir: &std::path::Path) -> anyhow::Result<Value> {
-    let path = dir.join("manifest.json");
-    serde_json::from_slice(
-        &std::fs::read(&path).with_context(|| format!("read {}", path.display()))?,
-    )
-    .with_context(|| format!("{} is not JSON", path.display()))
-}
-
-/// The `[publish]` section of the configuration a finished run recorded in its manifest.
-fn run_config_publish(
-    dir: &std::path::Path,
-    manifest: &Value,
-) -> anyhow::Result<Option<tapline_trainer::publish::PublishConfig>> {
-    let path = dir.join("manifest.json");
-    match manifest["config"].get("publish") {
-        None | Some(Value::Null) => Ok(None),
-        Some(p) => Ok(Some(serde_json::from_value(p.clone()).with_context(
-            || format!("the [publish] section recorded in {}", path.display()),
-        )?)),
-    }
-}
-
-/// What a run committed to its cursor: written before the manifest, so that a stop
-/// between the manifest and the cursor write can be finished on restart.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct CursorCommit {
-    run: String,
-    before: ingest::Cursor,
-    after: ingest::Cursor,
-}
-
-/// Renames the cursor commit of `dir` to say it is in the store.
-fn committed(dir: &std::path::Path) -> anyhow::Result<()> {
-    std::fs::rename(
-        dir.join(CURSOR_COMMIT_FILE),
-        dir.join(CURSOR_COMMITTED_FILE),
-    )
-    .with_context(|| format!("rename {}/{CURSOR_COMMIT_FILE}", dir.display()))
-}
-
-/// Writes the cursor a finished run in `dir` committed to, if the store still holds the
-/// one it started from (the trainer stopped between its manifest and its cursor). A run
-/// whose commit is already in the store (`cursor-committed.json`) is left alone,
-/// whatever the cursor became since.
-fn finish_cursor_commit(
-    location: &tapline_proto::store::StoreLocation,
-    dir: &std::path::Path,
-) -> anyhow::Result<()> {
-    let path = dir.join(CURSOR_COMMIT_FILE);
-    let Ok(bytes) = std::fs::read(&path) else {
-        return Ok(());
-    };
-    let commit: CursorCommit = serde_json::from_slice(&bytes)
-        .with_context(|| format!("{} is not a cursor commit", path.display()))?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")?;
-    let (now, version) = runtime.block_on(ingest::read_cursor_versioned(location, &commit.run))?;
-    if now == commit.after {
-        return committed(dir);
-    }
-    let moved = if now == commit.before {
-        match runtime.block_on(ingest::write_cursor(
-            location,
-            &commit.run,
-            &commit.after,
-            &version,
-        )) {
-            Ok(_) => {
-                println!(
-                    "train: {} was finished but its cursor not written (stopped in between); wrote it now",
-                    dir.display()
-                );
-                return committed(dir);
-            }
-            Err(e @ ingest::IngestError::CursorMoved { .. }) => e,
-            Err(e) => return Err(e.into()),
-        }
-    } else {
-        ingest::IngestError::CursorMoved {
-            run: commit.run.clone(),
-            key: ingest::cursor_key(location, &commit.run),
-        }
-    };
-    // Another trainer advanced the cursor past what this directory was trained on: it
-    // cannot be committed, nor continued from.
-    mark_incomplete(dir, &moved.to_string())?;
-    Err(anyhow::Error::new(moved).context(format!(
-        "{} was trained but its cursor never written, and another trainer has moved the cursor since; it is marked incomplete: start again to continue from the run before it",
-        dir.display()
-    )))
 }
 
 /// Fits the micro-batches to the memory budget (`nn::memory`) and says what it chose;
@@ -606,7 +384,10 @@ fn fit_memory(
 /// without training when fewer episodes than that (or than a mini-batch, for `Some(0)`)
 /// are ready, and `None` when a stop signal came before the last step: nothing is
 /// written (the output directory is removed) and the cursor is not advanced.
-fn train_once(args: &TrainArgs, min_episodes: Option<usize>) -> anyhow::Result<Option<Finished>> {
+pub(super) fn train_once(
+    args: &TrainArgs,
+    min_episodes: Option<usize>,
+) -> anyhow::Result<Option<Finished>> {
     let started = Instant::now();
     let started_unix_secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1207,326 +988,4 @@ fn track_summary(
             ("run/importance_ratios", ratios),
         ],
     );
-}
-
-pub(super) fn merge_lora(args: &MergeArgs) -> anyhow::Result<()> {
-    let config = nn::TransformerConfig::load(&args.model)?;
-    let dtype = args
-        .dtype
-        .clone()
-        .or(config.dtype.clone())
-        .unwrap_or_else(|| "float32".into());
-    let kind = match dtype.as_str() {
-        "float32" | "fp32" => tch::Kind::Float,
-        "bfloat16" | "bf16" => tch::Kind::BFloat16,
-        "float16" | "fp16" => tch::Kind::Half,
-        other => anyhow::bail!("dtype {other:?}: expected float32, bfloat16 or float16"),
-    };
-    checkpoint::prepare_dir(&args.out)?;
-    let (mut model, lora) =
-        nn::lora::load_with_adapter(&args.model, &args.adapter, tch::Device::Cpu, kind)?;
-    model.merge_lora();
-    let global_step = checkpoint::global_step(&args.adapter);
-    let sha256 = checkpoint::save(&model, &args.model, &args.out, global_step)?;
-    let adapter_bytes = std::fs::read(args.adapter.join(nn::lora::ADAPTER_WEIGHTS))?;
-    let manifest = serde_json::json!({
-        "format": "tapline.merge_lora.v1",
-        "tapline_version": env!("CARGO_PKG_VERSION"),
-        "git_commit": nn::manifest::GIT_COMMIT,
-        "base_model": args.model.display().to_string(),
-        "adapter": args.adapter.display().to_string(),
-        "adapter_model_safetensors_sha256": ingest::sha256_hex(&adapter_bytes),
-        "lora": lora,
-        "dtype": format!("{kind:?}"),
-        "model_safetensors_sha256": sha256,
-    });
-    let tmp = args.out.join("manifest.json.partial");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&manifest)?)?;
-    std::fs::rename(&tmp, args.out.join("manifest.json"))?;
-    println!(
-        "merge-lora: {} + {} (r {}, alpha {}) -> {} ({kind:?})",
-        args.model.display(),
-        args.adapter.display(),
-        lora.rank,
-        lora.alpha,
-        args.out.display()
-    );
-    Ok(())
-}
-
-pub(super) fn score(args: &ScoreArgs) -> anyhow::Result<()> {
-    let device = nn::parse_device(&args.device)?;
-    let kind = nn::parse_dtype(&args.dtype, device)?;
-    let mut input = String::new();
-    std::io::stdin()
-        .read_to_string(&mut input)
-        .context("read the ids from stdin")?;
-    let body: Value = serde_json::from_str(&input)
-        .context("stdin is not JSON (expected {\"ids\": [1, 2, ...]})")?;
-    let ids: Vec<u32> = body
-        .get("ids")
-        .and_then(Value::as_array)
-        .context("stdin has no \"ids\" array (expected {\"ids\": [1, 2, ...]})")?
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .with_context(|| format!("ids[{i}] = {v} is not a token id"))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let model = match &args.adapter {
-        Some(adapter) => {
-            nn::lora::load_with_adapter(&args.model, adapter, device, kind)
-                .with_context(|| format!("apply the adapter {}", adapter.display()))?
-                .0
-        }
-        None => Transformer::load(&args.model, device, kind)
-            .with_context(|| format!("load the model from {}", args.model.display()))?,
-    };
-    let logprobs = model
-        .sequence_logprobs(&ids, 1024)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    println!("{}", serde_json::json!({ "logprobs": logprobs }));
-    Ok(())
-}
-
-/// `bench-update --seq-lens`: one child process per length (peak memory is per
-/// process), then a table of the measured and estimated peaks.
-fn bench_memory_table(args: &BenchArgs) -> anyhow::Result<()> {
-    use nn::memory::{MemoryModel, Shape, Size};
-    let device = nn::parse_device(&args.device)?;
-    let kind = nn::parse_dtype(&args.dtype, device)?;
-    let config = nn::bench::preset(&args.preset).with_context(|| {
-        format!(
-            "unknown preset {:?} (known: {})",
-            args.preset,
-            nn::bench::PRESETS.join(", ")
-        )
-    })?;
-    let lora = args.lora.then(|| nn::lora::LoraOptions {
-        rank: args.lora_rank,
-        alpha: 2.0 * args.lora_rank as f64,
-        ..Default::default()
-    });
-    let elem = if kind == tch::Kind::Float { 4 } else { 2 };
-    let estimate = MemoryModel::new(&config, lora.as_ref(), elem, 1024);
-    let available = match device {
-        tch::Device::Cuda(i) => nn::manifest::gpu_memory_total(i),
-        _ => nn::memory::available_memory().map(|(can_have, _)| can_have),
-    };
-    let mib = |b: f64| b / (1u64 << 20) as f64;
-    println!(
-        "bench-update: peak memory of {} {} ({kind:?}){}, one sequence per micro-batch; measured: {}",
-        args.preset,
-        if args.lora { "LoRA" } else { "full" },
-        if args.recompute { ", recompute" } else { "" },
-        if device.is_cuda() {
-            "GPU memory used, sampled by nvidia-smi"
-        } else {
-            "peak RSS"
-        }
-    );
-    println!(
-        "| tokens | measured peak | estimated peak | estimate / measured | MiB per token, measured | MiB per token, estimated |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|");
-    for &len in &args.seq_lens {
-        anyhow::ensure!(len >= 2, "--seq-lens: every length must be at least 2");
-        let shape = Shape {
-            sequences: 1,
-            longest: len as u64,
-            loss_tokens: (len - len / 2) as u64,
-        };
-        let predicted = estimate.static_bytes() + estimate.micro_batch_bytes(shape, args.recompute);
-        if let Some(avail) = available.filter(|a| predicted as f64 > *a as f64 * 0.9) {
-            println!(
-                "| {len} | not run | {} | | | {:.3} (over 90% of the {} available) |",
-                Size(predicted),
-                mib(estimate.per_token(args.recompute) as f64),
-                Size(avail)
-            );
-            continue;
-        }
-        let mut cmd = std::process::Command::new(std::env::current_exe()?);
-        cmd.args([
-            "bench-update",
-            "--preset",
-            &args.preset,
-            "--device",
-            &args.device,
-        ])
-        .args(["--dtype", &args.dtype, "--sequences", "1"])
-        .args(["--seq-len", &len.to_string()])
-        .args(["--warmup", &args.warmup.to_string()])
-        .args(["--steps", &args.steps.to_string()])
-        .args(["--lora-rank", &args.lora_rank.to_string()]);
-        if args.lora {
-            cmd.arg("--lora");
-        }
-        if args.recompute {
-            cmd.arg("--recompute");
-        }
-        let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let result: Option<Value> = text
-            .lines()
-            .last()
-            .and_then(|l| serde_json::from_str(l).ok());
-        let Some(r) = result.filter(|_| out.status.success()) else {
-            println!(
-                "| {len} | failed ({}) | {} | | | |",
-                out.status,
-                Size(predicted)
-            );
-            continue;
-        };
-        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-        println!(
-            "| {len} | {} | {} | {:.2} | {:.3} | {:.3} |",
-            Size(f("peak_bytes") as u64),
-            Size(f("estimated_peak_bytes") as u64),
-            f("estimated_peak_bytes") / f("peak_bytes"),
-            mib(f("bytes_per_token")),
-            mib(f("estimated_bytes_per_token")),
-        );
-    }
-    Ok(())
-}
-
-pub(super) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
-    if !args.seq_lens.is_empty() {
-        return bench_memory_table(args);
-    }
-    let device = nn::parse_device(&args.device)?;
-    let kind = nn::parse_dtype(&args.dtype, device)?;
-    anyhow::ensure!(args.seq_len >= 2, "--seq-len must be at least 2");
-    anyhow::ensure!(
-        args.sequences >= 1 && args.steps >= 1,
-        "--sequences and --steps must be at least 1"
-    );
-    let launch = tapline_c10d::Launch::from_env()?.filter(|l| l.world_size > 1);
-    let device = match (&launch, args.device.as_str()) {
-        (Some(l), "cuda") => nn::parse_device(&format!("cuda:{}", l.local_rank))?,
-        _ => device,
-    };
-    let group = match &launch {
-        Some(l) => Some(tapline_c10d::Group::connect(
-            l,
-            if device.is_cuda() {
-                tapline_c10d::Backend::Nccl
-            } else {
-                tapline_c10d::Backend::Gloo
-            },
-            std::time::Duration::from_secs(600),
-        )?),
-        None => None,
-    };
-    let rank = group.as_ref().map_or(0, |g| g.rank());
-    let options = nn::train::TrainOptions {
-        shard_optimizer: !args.replicate_optimizer,
-        recompute: args.recompute,
-        lora: args.lora.then(|| nn::lora::LoraOptions {
-            rank: args.lora_rank,
-            alpha: 2.0 * args.lora_rank as f64,
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    if rank != 0 {
-        // Rank 0 reports; the others only take part.
-        nn::bench::run(
-            &args.preset,
-            device,
-            kind,
-            args.sequences,
-            args.seq_len,
-            args.warmup,
-            args.steps,
-            &options,
-            None,
-            group.as_ref(),
-            |_, _| {},
-        )
-        .map_err(|e| anyhow::anyhow!(e))?;
-        return Ok(());
-    }
-    println!(
-        "bench-update: {} {} on {} ({kind:?}), {} x {} tokens per step, {} warmup + {} measured steps{}",
-        args.preset,
-        if args.lora {
-            format!("LoRA r {}", args.lora_rank)
-        } else {
-            "full".into()
-        },
-        nn::manifest::device_name(device),
-        args.sequences,
-        args.seq_len,
-        args.warmup,
-        args.steps,
-        if args.recompute { ", recompute" } else { "" }
-    );
-    let result = nn::bench::run(
-        &args.preset,
-        device,
-        kind,
-        args.sequences,
-        args.seq_len,
-        args.warmup,
-        args.steps,
-        &options,
-        args.peak_tflops.map(|t| t * 1e12),
-        group.as_ref(),
-        |i, secs| {
-            let tag = if i < args.warmup { "warmup" } else { "step" };
-            println!(
-                "  {tag} {i}: {secs:.2}s ({:.0} tok/s)",
-                (args.sequences * args.seq_len) as f64 / secs
-            );
-        },
-    )
-    .map_err(|e| anyhow::anyhow!(e))?;
-    println!(
-        "bench-update: {:.0}M parameters ({:.2}M trainable), median {:.0} tokens/s, {:.1} TFLOP/s model FLOPs, MFU {}, peak RSS {:.2} GiB, {:.1} bytes/parameter",
-        result.parameters as f64 / 1e6,
-        result.trainable_parameters as f64 / 1e6,
-        result.tokens_per_second,
-        result.model_flops / 1e12,
-        result.mfu.map_or(
-            "n/a (unknown peak; pass --peak-tflops)".into(),
-            |m| format!("{:.1}%", m * 100.0)
-        ),
-        result.peak_rss_bytes as f64 / (1u64 << 30) as f64,
-        result.bytes_per_parameter,
-    );
-    println!(
-        "bench-update: peak memory {:.2} GiB ({}), estimated {:.2} GiB before the first step: {:.3} MiB per token measured, {:.3} estimated (static {:.2} GiB)",
-        result.peak_bytes as f64 / (1u64 << 30) as f64,
-        if result.gpu_peak_memory_bytes_sampled.is_some() {
-            "GPU memory used, sampled"
-        } else {
-            "peak RSS"
-        },
-        result.estimated_peak_bytes as f64 / (1u64 << 30) as f64,
-        result.bytes_per_token / (1u64 << 20) as f64,
-        result.estimated_bytes_per_token / (1u64 << 20) as f64,
-        result.static_bytes as f64 / (1u64 << 30) as f64,
-    );
-    if let (Some(bytes), Some(secs)) = (result.comm_bytes_per_step, result.comm_seconds_per_step) {
-        println!(
-            "bench-update: {} ranks ({}, optimizer {}), rank 0 sent {:.1} MB per step into collectives in {:.3}s (median), optimizer state {:.1} MB per rank",
-            result.world_size,
-            result.backend.as_deref().unwrap_or(""),
-            if options.shard_optimizer {
-                "sharded"
-            } else {
-                "replicated"
-            },
-            bytes as f64 / 1e6,
-            secs,
-            result.optimizer_state_bytes as f64 / 1e6,
-        );
-    }
-    println!("{}", serde_json::to_string(&result)?);
-    Ok(())
 }
