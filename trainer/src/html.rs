@@ -188,7 +188,8 @@ th{background:#f4f4f4}td.n{text-align:right;font-variant-numeric:tabular-nums}
 pre{background:#f7f7f7;padding:.6em;overflow:auto;max-height:30em}
 .seq{font:12px/1.6 ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;border:1px solid #ddd;padding:.5em;margin:.3em 0 1em}
 .seq span.p{color:#777}.seq span.l{border-radius:2px}
-.legend span{padding:0 .4em;margin-right:.5em}";
+.legend span{padding:0 .4em;margin-right:.5em}
+.warn{background:#fff3cd;border:1px solid #e0c060;padding:.4em .6em}";
 
 /// The size of a curve in the page, drawn 1:1 (two side by side on a wide screen).
 const CHART_SIZE: (u32, u32) = (480, 300);
@@ -332,6 +333,17 @@ pub fn render(manifest: &Value, samples: &Samples) -> String {
         &serde_json::json!({"importance_by_lag": manifest["importance_by_lag"]}),
     ));
 
+    out.push_str("<h2 id=\"fidelity\">Trainer and engine log-probs</h2>");
+    let fidelity = &manifest["fidelity"];
+    if fidelity.is_object() {
+        if let Some(w) = fidelity["warning"].as_str() {
+            let _ = write!(out, "<p class=\"warn\">warning: {}</p>", escape(w));
+        }
+        out.push_str(&kv_table(fidelity));
+    } else {
+        out.push_str("<p>No trained token has an engine log-prob (the records carry none, e.g. text-only calls).</p>");
+    }
+
     // Episodes.
     let scale = samples
         .samples
@@ -466,6 +478,7 @@ mod tests {
             "input_segments": [{"key": "seg/1", "sha256": "ff"}],
             "config": {"note": "</pre><script>alert(1)</script>"},
             "compute": {"device": "cpu"},
+            "fidelity": {"tokens": 12, "mean_abs_logprob_gap": 0.3, "warning": "far <off>"},
         })
     }
 
@@ -505,6 +518,8 @@ mod tests {
         assert!(page.contains("e&quot;1"));
         assert!(page.contains("zero_variance_group"));
         assert!(page.contains("<th>reward_components.tests.mean</th><td>0.75</td>"));
+        assert!(page.contains("<p class=\"warn\">warning: far &lt;off&gt;</p>"));
+        assert!(page.contains("<th>mean_abs_logprob_gap</th><td>0.3</td>"));
         assert!(page.contains("engine log-prob -0.1000 · trainer log-prob -0.3000 (Δ -0.2000)"));
         assert!(page.contains("3 more tokens"));
         assert_eq!(

@@ -25,6 +25,7 @@ pub mod clean;
 pub mod config;
 pub mod drift;
 pub mod export;
+pub mod fidelity;
 pub mod flatten;
 pub mod html;
 pub mod ingest;

@@ -181,7 +181,21 @@ fn importance_ratios_are_reported_by_policy_lag() {
         ..TrainOptions::default()
     };
     let mut optimizer = options.optimizer(&mut model);
-    let result = train::train(&mut model, &mut optimizer, &[batch], &options, 0, |_| {}).unwrap();
+    let batches = [batch];
+    let result = train::train(&mut model, &mut optimizer, &batches, &options, 0, |_| {}).unwrap();
+    // The trainer's recorded log-probs against the engine's: two sequences at gap 0, one
+    // 0.5 nats above; under a TIS cap of 2 nothing clips, a cap of 1.5 clips that third.
+    let gaps = tapline_trainer::fidelity::gaps(&batches, &result.old_logprobs);
+    assert_eq!(gaps.len(), 30);
+    let f = tapline_trainer::fidelity::measure(&gaps, 2.0).unwrap();
+    assert!((f.max_abs_logprob_gap - 0.5).abs() < 1e-4, "{f:?}");
+    assert!((f.mean_logprob_gap - 0.5 / 3.0).abs() < 1e-4, "{f:?}");
+    assert!((f.ratio_quantiles.p50 - 1.0).abs() < 1e-4, "{f:?}");
+    assert!((f.ratio_quantiles.p99 - 0.5f64.exp()).abs() < 1e-3, "{f:?}");
+    assert_eq!(f.tis_clipped_share, 0.0);
+    assert!(f.warning.unwrap().contains("0.167 nats"));
+    let capped = tapline_trainer::fidelity::measure(&gaps, 1.5).unwrap();
+    assert!((capped.tis_clipped_share - 1.0 / 3.0).abs() < 1e-9);
     let by_lag = &result.importance_by_lag;
     assert_eq!(
         by_lag.keys().map(String::as_str).collect::<Vec<_>>(),

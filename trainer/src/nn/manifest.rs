@@ -125,6 +125,9 @@ pub struct RunManifest {
     /// Where the run's metrics went (`crate::track`): directory, backends, failed
     /// writes; `null` on ranks other than 0.
     pub tracking: Option<Value>,
+    /// The trainer's log-probs against the engine's on the loss tokens that have both
+    /// (`crate::fidelity`); `null` without engine log-probs, and on ranks other than 0.
+    pub fidelity: Option<crate::fidelity::Fidelity>,
 }
 
 impl RunManifest {

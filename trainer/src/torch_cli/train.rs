@@ -788,12 +788,21 @@ pub(super) fn train_once(
     )
     .with_context(|| format!("write {}", out.join("chart.svg").display()))?;
 
+    // Trainer against engine on the loss tokens with an engine log-prob (rank 0 holds
+    // every rank's).
+    let gaps = tapline_trainer::fidelity::gaps(&loaded.prepared.mini_batches, &result.old_logprobs);
+    let fidelity = tapline_trainer::fidelity::measure(&gaps, options.tis_cap);
+    if let Some(w) = fidelity.as_ref().and_then(|f| f.warning.as_ref()) {
+        eprintln!("train: warning: {w}");
+    }
     let wall = started.elapsed().as_secs_f64();
     let tracking = tracker.as_mut().map(|t| {
         track_summary(
             t,
             &loaded.prepared,
             &result,
+            &gaps,
+            fidelity.as_ref(),
             global_step,
             wall,
             memory.get("peak_measured_bytes"),
@@ -865,6 +874,7 @@ pub(super) fn train_once(
         distributed,
         memory,
         tracking,
+        fidelity,
     };
     if let Some(run) = &loaded.run {
         let commit = CursorCommit {
@@ -936,6 +946,8 @@ fn track_summary(
     t: &mut tapline_trainer::track::Tracker,
     prepared: &tapline_trainer::Prepared,
     result: &nn::train::TrainResult,
+    gaps: &[f64],
+    fidelity: Option<&tapline_trainer::fidelity::Fidelity>,
     global_step: u64,
     wall_clock_seconds: f64,
     peak_memory_bytes: Option<&serde_json::Value>,
@@ -959,27 +971,9 @@ fn track_summary(
     summary["peak_memory_bytes"] = peak_memory_bytes.cloned().unwrap_or_default();
     summary["tokens"] = serde_json::json!(result.tokens);
     summary["loss_tokens"] = serde_json::json!(result.loss_tokens);
+    summary["fidelity"] = serde_json::to_value(fidelity).unwrap_or_default();
     // π_trainer_old / π_inference of each loss token with a recorded engine log-prob.
-    let mut ratios = Vec::new();
-    for (&(k, m, i), old) in &result.old_logprobs {
-        let Some(s) = prepared
-            .mini_batches
-            .get(k)
-            .and_then(|mb| mb.micro_batches.get(m))
-            .and_then(|micro| micro.sequences.get(i))
-        else {
-            continue;
-        };
-        let q = &s.sequence;
-        let engine = (1..q.len())
-            .filter(|&j| q.loss_mask[j] != 0)
-            .map(|j| q.logprobs[j]);
-        for (old, engine) in old.iter().zip(engine) {
-            if let Some(e) = engine {
-                ratios.push((f64::from(*old) - e).exp());
-            }
-        }
-    }
+    let ratios = gaps.iter().map(|g| g.exp()).collect();
     t.summary(
         global_step,
         &summary,
