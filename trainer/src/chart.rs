@@ -67,6 +67,25 @@ fn range(values: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
+/// A tick label with as many decimals as an axis spanning `span` needs to tell its six
+/// ticks apart (plotters' default prints 1e-5 steps as "0.0"); scientific notation for
+/// very small or very large values.
+fn tick_label(v: f64, span: f64) -> String {
+    let step = span / 6.0;
+    if v == 0.0 {
+        return "0".into();
+    }
+    if v.abs() >= 1e6 || (v.abs() < 1e-3 && step < 1e-3) {
+        return format!("{v:.2e}");
+    }
+    let decimals = if step >= 1.0 || step <= 0.0 {
+        usize::from(v.fract() != 0.0)
+    } else {
+        ((-step.log10()).ceil() as usize).min(8)
+    };
+    format!("{v:.decimals$}")
+}
+
 /// The runs of finite points of a series (a non-finite point ends a run).
 fn segments(points: &[(f64, f64)]) -> Vec<Vec<(f64, f64)>> {
     let mut out = vec![Vec::new()];
@@ -102,12 +121,14 @@ fn draw_panel<DB: DrawingBackend>(
         .x_label_area_size(32)
         .y_label_area_size(56)
         .build_cartesian_2d(x0..x1, y0..y1)?;
+    let y_label = |v: &f64| tick_label(*v, y1 - y0);
     chart
         .configure_mesh()
         .x_desc(panel.x_label.as_str())
         .light_line_style(WHITE.mix(0.0))
         .x_labels(8)
         .y_labels(6)
+        .y_label_formatter(&y_label)
         .draw()?;
     for (i, s) in panel.series.iter().enumerate() {
         let colour = Palette99::pick(i).to_rgba();
@@ -124,7 +145,8 @@ fn draw_panel<DB: DrawingBackend>(
             chart.draw_series(seg.iter().map(|&p| Circle::new(p, 2, colour.filled())))?;
         }
     }
-    if panel.series.iter().any(|s| !segments(&s.points).is_empty()) {
+    // One series: the panel's title names it, and a legend would only hide the curve.
+    if panel.series.len() > 1 && panel.series.iter().any(|s| !segments(&s.points).is_empty()) {
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
@@ -207,7 +229,10 @@ mod tests {
             &[
                 panel(
                     "mean reward",
-                    vec![series("reward", &[(1.0, 0.1), (2.0, 0.4), (3.0, 0.9)])],
+                    vec![
+                        series("reward", &[(1.0, 0.1), (2.0, 0.4), (3.0, 0.9)]),
+                        series("baseline", &[(1.0, 0.2), (3.0, 0.3)]),
+                    ],
                 ),
                 panel(
                     "loss",
@@ -224,15 +249,19 @@ mod tests {
             svg.contains("\nmean reward\n") && svg.contains("\nloss\n"),
             "{svg}"
         );
-        assert!(svg.contains("\nreward\n"), "the legend names the series");
-        // The series' lines are 2 px wide: reward one, loss two (broken by the NaN; the
-        // lone first point is a line of one point), and a legend entry per series.
+        assert!(
+            svg.contains("\nreward\n") && svg.contains("\nbaseline\n"),
+            "the legend of a panel of two names them"
+        );
+        // The series' lines are 2 px wide: reward and baseline one each, loss two (broken
+        // by the NaN; the lone first point is a line of one point), and a legend entry per
+        // series of the two-series panel only.
         let lines = svg
             .lines()
             .filter(|l| l.starts_with("<polyline") && l.contains("stroke-width=\"2\""))
             .count();
-        assert_eq!(lines, 3 + 2, "{svg}");
-        assert_eq!(svg.matches("<circle").count(), 6);
+        assert_eq!(lines, 4 + 2, "{svg}");
+        assert_eq!(svg.matches("<circle").count(), 8);
     }
 
     #[test]
@@ -249,6 +278,16 @@ mod tests {
                 "{svg}"
             );
         }
+    }
+
+    #[test]
+    fn tick_labels_tell_small_steps_apart() {
+        assert_eq!(tick_label(0.5, 1.0), "0.5");
+        assert_eq!(tick_label(200.0, 10.0), "200");
+        assert_eq!(tick_label(2.5e-5, 3e-5), "2.50e-5");
+        assert_eq!(tick_label(0.0, 3e-5), "0");
+        assert_eq!(tick_label(1.0002, 0.0003), "1.00020");
+        assert_eq!(tick_label(3.0e7, 1e7), "3.00e7");
     }
 
     #[test]

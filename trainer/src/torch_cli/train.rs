@@ -801,7 +801,6 @@ pub(super) fn train_once(
             t,
             &loaded.prepared,
             &result,
-            &gaps,
             fidelity.as_ref(),
             global_step,
             wall,
@@ -946,7 +945,6 @@ fn track_summary(
     t: &mut tapline_trainer::track::Tracker,
     prepared: &tapline_trainer::Prepared,
     result: &nn::train::TrainResult,
-    gaps: &[f64],
     fidelity: Option<&tapline_trainer::fidelity::Fidelity>,
     global_step: u64,
     wall_clock_seconds: f64,
@@ -973,7 +971,10 @@ fn track_summary(
     summary["loss_tokens"] = serde_json::json!(result.loss_tokens);
     summary["fidelity"] = serde_json::to_value(fidelity).unwrap_or_default();
     // π_trainer_old / π_inference of each loss token with a recorded engine log-prob.
-    let ratios = gaps.iter().map(|g| g.exp()).collect();
+    let ratios = tapline_trainer::fidelity::gaps(&prepared.mini_batches, &result.old_logprobs)
+        .iter()
+        .map(|g| g.exp())
+        .collect();
     t.summary(
         global_step,
         &summary,
