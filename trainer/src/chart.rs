@@ -2,7 +2,8 @@
 //! so no font file is needed, which the `FROM scratch` images do not have).
 //!
 //! A chart is a main title above one or more [`Panel`]s stacked vertically. Every
-//! panel has its own y range, a legend, and one or more [`Series`]. `train` writes
+//! panel has its own y range, one or more [`Series`], and a legend (left out when the
+//! panel's one series has the panel's title as its name). `train` writes
 //! `chart.svg`, `tapline-trainer plot` any chart, and `report.html` embeds one per
 //! curve.
 //!
@@ -25,7 +26,8 @@ use plotters::prelude::*;
 /// line, so they show up as a gap.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Series {
-    /// Name shown in the panel legend.
+    /// Name shown in the panel legend (none when it is the panel's title and the panel's
+    /// only series).
     pub name: String,
     /// Data points as `(x, y)`.
     pub points: Vec<(f64, f64)>,
@@ -67,16 +69,20 @@ fn range(values: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
-/// A tick label with as many decimals as an axis spanning `span` needs to tell its six
-/// ticks apart (plotters' default prints 1e-5 steps as "0.0"); scientific notation for
-/// very small or very large values.
-fn tick_label(v: f64, span: f64) -> String {
-    let step = span / 6.0;
+/// The tick label of `v` on an axis from `lo` to `hi`: one format for the whole axis,
+/// with as many digits as its six ticks need to be told apart (plotters' default prints
+/// 1e-5 steps as "0.0"); scientific notation when the axis's values are very small or
+/// very large.
+fn tick_label(v: f64, lo: f64, hi: f64) -> String {
+    let step = (hi - lo) / 6.0;
+    let magnitude = lo.abs().max(hi.abs());
     if v == 0.0 {
         return "0".into();
     }
-    if v.abs() >= 1e6 || (v.abs() < 1e-3 && step < 1e-3) {
-        return format!("{v:.2e}");
+    if step > 0.0 && !(1e-3..1e6).contains(&magnitude) {
+        // Mantissa digits: as many as the step is below the largest value.
+        let decimals = ((magnitude.log10() - step.log10()).ceil().max(1.0) as usize).min(8);
+        return format!("{v:.decimals$e}");
     }
     let decimals = if step >= 1.0 || step <= 0.0 {
         usize::from(v.fract() != 0.0)
@@ -121,7 +127,7 @@ fn draw_panel<DB: DrawingBackend>(
         .x_label_area_size(32)
         .y_label_area_size(56)
         .build_cartesian_2d(x0..x1, y0..y1)?;
-    let y_label = |v: &f64| tick_label(*v, y1 - y0);
+    let y_label = |v: &f64| tick_label(*v, y0, y1);
     chart
         .configure_mesh()
         .x_desc(panel.x_label.as_str())
@@ -145,8 +151,10 @@ fn draw_panel<DB: DrawingBackend>(
             chart.draw_series(seg.iter().map(|&p| Circle::new(p, 2, colour.filled())))?;
         }
     }
-    // One series: the panel's title names it, and a legend would only hide the curve.
-    if panel.series.len() > 1 && panel.series.iter().any(|s| !segments(&s.points).is_empty()) {
+    // One series named as its panel: the title says it, and a legend would only hide
+    // the curve.
+    let named_by_title = matches!(&panel.series[..], [one] if one.name == panel.title);
+    if !named_by_title && panel.series.iter().any(|s| !segments(&s.points).is_empty()) {
         chart
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
@@ -282,12 +290,15 @@ mod tests {
 
     #[test]
     fn tick_labels_tell_small_steps_apart() {
-        assert_eq!(tick_label(0.5, 1.0), "0.5");
-        assert_eq!(tick_label(200.0, 10.0), "200");
-        assert_eq!(tick_label(2.5e-5, 3e-5), "2.50e-5");
-        assert_eq!(tick_label(0.0, 3e-5), "0");
-        assert_eq!(tick_label(1.0002, 0.0003), "1.00020");
-        assert_eq!(tick_label(3.0e7, 1e7), "3.00e7");
+        assert_eq!(tick_label(0.5, 0.0, 1.0), "0.5");
+        assert_eq!(tick_label(200.0, 195.0, 205.0), "200");
+        assert_eq!(tick_label(2.5e-5, 0.0, 3e-5), "2.5e-5");
+        assert_eq!(tick_label(0.0, 0.0, 3e-5), "0");
+        assert_eq!(tick_label(1.0002, 1.0, 1.0003), "1.00020");
+        assert_eq!(tick_label(3.0e7, 2.0e7, 3.0e7), "3.00e7");
+        // Close values far from zero are told apart, in one format for the axis.
+        assert_eq!(tick_label(5.003e-4, 4.99e-4, 5.01e-4), "5.0030e-4");
+        assert_eq!(tick_label(1e-3, 5e-4, 9.9e-4), "1.00e-3");
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! importance sampling caps). Torch-free: it reads the batches and the recorded values.
 //!
 //! Invariants:
-//! - Only tokens with both log-probs count; a run without engine log-probs has no
+//! - Only tokens with both log-probs count (and finite gaps: a token whose log-prob is
+//!   -inf on either side is left out rather than turned into a NaN mean); a run without engine log-probs has no
 //!   [`Fidelity`] (`None`), not one of zeros.
 //! - The warning is decided here, from [`WARN_MEAN_ABS_GAP`] and
 //!   [`WARN_MEDIAN_LOG_RATIO`], so the manifest, the run report and the console say the

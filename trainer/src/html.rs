@@ -340,8 +340,10 @@ pub fn render(manifest: &Value, samples: &Samples) -> String {
             let _ = write!(out, "<p class=\"warn\">warning: {}</p>", escape(w));
         }
         out.push_str(&kv_table(fidelity));
+    } else if fidelity.is_null() && manifest.get("fidelity").is_some() {
+        out.push_str("<p>No trained token has both an engine log-prob and a kept trainer log-prob (the records carry none, e.g. text-only calls).</p>");
     } else {
-        out.push_str("<p>No trained token has an engine log-prob (the records carry none, e.g. text-only calls).</p>");
+        out.push_str("<p>Not measured (a manifest written before tapline measured it).</p>");
     }
 
     // Episodes.

@@ -228,7 +228,13 @@ fn mlflow_holds_the_runs_params_metrics_artifacts_and_status() {
                 &json!({"step": step, "loss": step as f64 / 1000.0, "lr": 0.5}),
             );
         }
-        t.summary(first + 600, &json!({"reward": {"mean": 0.75}}), &[]);
+        // A reward component named as a harness may name it: MLflow refuses `@` in a
+        // metric name, which would fail the whole batch.
+        t.summary(
+            first + 600,
+            &json!({"reward": {"mean": 0.75, "components": {"pass@1": {"mean": 0.5}}}}),
+            &[],
+        );
         t.artifact(&manifest);
         t.finish(status, None);
         assert_eq!(t.failures(), 0);
@@ -288,6 +294,14 @@ fn mlflow_holds_the_runs_params_metrics_artifacts_and_status() {
     );
     assert_eq!(reward["metrics"][0]["value"], 0.75);
     assert_eq!(reward["metrics"][0]["step"], 600);
+    let component = get_json(
+        url,
+        &format!(
+            "/api/2.0/mlflow/metrics/get-history?run_id={}&metric_key=run/reward/components/pass_1/mean",
+            run_ids[0]
+        ),
+    );
+    assert_eq!(component["metrics"][0]["value"], 0.5, "{component}");
     // A publish after the run finished adds its version to the same MLflow run.
     let run = tapline_trainer::track::TrackedRun {
         options: options.clone(),

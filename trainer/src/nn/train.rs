@@ -741,9 +741,9 @@ fn reduce_stats(
     Ok((out, s[10], s[11] > 0.0))
 }
 
-/// Every rank's importance ratios by lag, merged (token-weighted means), on every rank.
-/// Every rank's recorded old log-probs, on rank 0 (the others get none back): each
-/// entry as k, m, i, n (u32 LE) and n f32 LE.
+/// Every rank's recorded old log-probs, on rank 0 (the others get none back): each rank
+/// other than 0 puts its entries into the store (k, m, i, n as u32 LE, then n f32 LE),
+/// rank 0 reads them; nothing is fetched by the ranks that drop it.
 fn gather_old_logprobs(group: &Group, mine: OldLogprobs) -> Result<OldLogprobs, TrainError> {
     let mut bytes = Vec::new();
     for ((k, m, i), values) in &mine {
@@ -754,12 +754,16 @@ fn gather_old_logprobs(group: &Group, mine: OldLogprobs) -> Result<OldLogprobs, 
             bytes.extend_from_slice(&v.to_le_bytes());
         }
     }
-    drop(mine);
-    let all = group.exchange("old_logprobs", &bytes)?;
     let mut merged = OldLogprobs::new();
     if group.rank() != 0 {
+        group.store_set(&format!("old_logprobs/{}", group.rank()), &bytes)?;
         return Ok(merged);
     }
+    let mut all = Vec::with_capacity(group.size());
+    for r in 1..group.size() {
+        all.push(group.store_get(&format!("old_logprobs/{r}"))?);
+    }
+    merged.extend(mine);
     for value in all {
         let mut rest = value.as_slice();
         let u32s = |rest: &mut &[u8], n: usize| -> Option<Vec<u32>> {
@@ -782,6 +786,7 @@ fn gather_old_logprobs(group: &Group, mine: OldLogprobs) -> Result<OldLogprobs, 
     Ok(merged)
 }
 
+/// Every rank's importance ratios by lag, merged (token-weighted means), on every rank.
 fn merge_lag_ratios(
     group: &Group,
     mine: &std::collections::BTreeMap<String, LagRatio>,

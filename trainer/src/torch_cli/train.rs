@@ -120,8 +120,8 @@ pub(super) struct Finished {
     pub(super) out: PathBuf,
     pub(super) location: tapline_proto::store::StoreLocation,
     pub(super) publish: Option<tapline_trainer::publish::PublishConfig>,
-    /// Where the run's metrics went: a publish adds the version there (`None`: not
-    /// tracked by this process, e.g. rank > 0).
+    /// Where the run's metrics went: a publish adds the version there (`None`: the run
+    /// tracked nothing, or a restarted follower could not read its manifest's tracking).
     pub(super) track: Option<tapline_trainer::track::TrackedRun>,
 }
 
@@ -248,6 +248,7 @@ fn hostname() -> String {
 /// gradient.
 fn check_same_batches(
     group: &tapline_c10d::Group,
+    key: &str,
     mini_batches: &[tapline_trainer::batch::MiniBatch],
 ) -> anyhow::Result<()> {
     use sha2::Digest as _;
@@ -271,7 +272,9 @@ fn check_same_batches(
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let all = group.exchange("batches", digest.as_bytes())?;
+    // A key per check: a second check under the first one's key would read the other
+    // ranks' earlier digests.
+    let all = group.exchange(key, digest.as_bytes())?;
     if let Some(r) = all.iter().position(|d| d != digest.as_bytes()) {
         anyhow::bail!(
             "rank {r} prepared other mini-batches than rank {} (digest {} vs {digest}): the ranks must run the same trainer and configuration on the same store",
@@ -470,7 +473,7 @@ pub(super) fn train_once(
             };
             g.store_set("plan", &serde_json::to_vec(&plan)?)?;
         }
-        check_same_batches(g, &loaded.prepared.mini_batches)?;
+        check_same_batches(g, "batches/prepared", &loaded.prepared.mini_batches)?;
     }
     if let Some(min) = min_episodes {
         let min = if min == 0 {
@@ -558,7 +561,7 @@ pub(super) fn train_once(
         &mut loaded.prepared.mini_batches,
     )?;
     if let Some(g) = &group {
-        check_same_batches(g, &loaded.prepared.mini_batches)?;
+        check_same_batches(g, "batches/fitted", &loaded.prepared.mini_batches)?;
     }
     let options = &loaded.config.train;
     let first_step = state_dir.as_deref().map_or(0, checkpoint::global_step);

@@ -198,7 +198,7 @@ impl Mlflow {
             .iter()
             .filter(|(_, v)| v.is_finite())
             .map(|(key, value)| {
-                json!({"key": cut(key, MAX_KEY), "value": value, "timestamp": timestamp, "step": step})
+                json!({"key": metric_key(key), "value": value, "timestamp": timestamp, "step": step})
             })
             .collect();
         if !metrics.is_empty() {
@@ -460,12 +460,42 @@ pub fn log_metric(
         .map_err(|e| format!("make an HTTP client: {e}"))?;
     let body = json!({
         "run_id": run_id,
-        "metrics": [{"key": cut(key, MAX_KEY), "value": value, "timestamp": unix_millis(), "step": step}],
+        "metrics": [{"key": metric_key(key), "value": value, "timestamp": unix_millis(), "step": step}],
     });
     let url = format!("{uri}/api/2.0/mlflow/runs/log-batch");
     runtime
         .block_on(async { check(client.post(&url).json(&body).send().await).await })
         .map(drop)
+}
+
+/// `key` as MLflow takes a metric name: only letters, digits, `_ - . / :` and spaces
+/// (`_VALID_PARAM_AND_METRIC_NAMES`), no `..` and no leading or doubled `/` (names are
+/// checked as paths); other characters become `_`, and it is cut to [`MAX_KEY`]. Names
+/// come from outside (reward components as the harness named them, e.g. `pass@1`): one
+/// MLflow refuses would fail the whole batch it is in.
+pub fn metric_key(key: &str) -> String {
+    let allowed: String = key
+        .chars()
+        .map(|c| {
+            if c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | ':' | ' ') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    // As a path it must be its own normal form: no empty, `.` or `..` segments.
+    let segments: Vec<&str> = allowed
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .map(|s| match s {
+            "." => "_",
+            ".." => "_.",
+            s => s,
+        })
+        .collect();
+    let out = segments.join("/");
+    cut(if out.is_empty() { "_" } else { &out }, MAX_KEY)
 }
 
 /// The JSON of a 2xx answer; anything else as an error that says what came back.
@@ -556,6 +586,20 @@ mod tests {
         .validate()
         .unwrap_err();
         assert!(err.contains("timeout_secs"), "{err}");
+    }
+
+    #[test]
+    fn metric_names_from_outside_become_names_mlflow_takes() {
+        assert_eq!(
+            metric_key("run/reward/components/pass@1/mean"),
+            "run/reward/components/pass_1/mean"
+        );
+        assert_eq!(metric_key("train/loss"), "train/loss");
+        assert_eq!(metric_key("run/x/../y/./z"), "run/x/_./y/_/z");
+        assert_eq!(metric_key("/a//b/"), "a/b");
+        assert_eq!(metric_key("tëst:ok 1"), "tëst:ok 1");
+        assert_eq!(metric_key("@"), "_");
+        assert_eq!(metric_key(&"k".repeat(300)).len(), MAX_KEY);
     }
 
     #[test]
