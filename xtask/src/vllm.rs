@@ -182,3 +182,148 @@ fn tail(path: &Path, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+/// The trainer on vLLM's records, a step of `cargo xtask test` after the suite: the
+/// example harness through the debug sidecar in front of `server` (served as `served`),
+/// then `tapline-trainer train` on the store, then its manifest checked: every prompt
+/// the trainer builds from the chat template equals vLLM's `prompt_token_ids`, every
+/// loss token has vLLM's log-prob, and the trainer/vLLM gap raises no mismatch warning
+/// (BENCHMARKS.md: 0.037 nats measured, the warning at 0.1). Its files and logs stay
+/// in `.cache/test-logs/vllm-fidelity/`.
+pub fn fidelity(
+    root: &Path,
+    python: &Path,
+    model: &Path,
+    server: &Server,
+    served: &str,
+) -> anyhow::Result<()> {
+    use crate::demo::{Children, free_port, http, sidecar_command, spawn, wait_healthy};
+    use anyhow::ensure;
+    crate::demo::build_binaries(python)?;
+    // The harness imports the SDK (`cargo xtask test-vllm` alone may not have it yet).
+    crate::assets::install_sdk(root, python)?;
+    let dir = root.join(".cache/test-logs/vllm-fidelity");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let store = format!("file://{}", dir.join("store").display());
+    let port = free_port()?;
+    let sidecar = format!("http://127.0.0.1:{port}");
+    let mut children = Children(Vec::new());
+    spawn(
+        "sidecar",
+        &mut sidecar_command(
+            root,
+            port,
+            &server.url,
+            "vllm",
+            &store,
+            &dir.join("spool"),
+            "fidelity",
+        ),
+        &dir,
+        &mut children,
+    )?;
+    {
+        let (_, c) = &mut children.0[0];
+        wait_healthy(
+            "sidecar",
+            &format!("{sidecar}/tapline/v1/health"),
+            c,
+            Duration::from_secs(30),
+        )?;
+    }
+    // Three tasks of four episodes, two turns each (groups whose rewards all agree are
+    // dropped by the trainer; three groups leave some to train on).
+    let harness = Command::new(python)
+        .arg(root.join("examples/loop_harness.py"))
+        .args(["--sidecar", &sidecar, "--model", served])
+        .args(["--tasks", "3", "--group-size", "4", "--max-tokens", "32"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("run examples/loop_harness.py")?;
+    ensure!(
+        harness.status.success(),
+        "the harness through the sidecar in front of vLLM exited with {} (logs: {})",
+        harness.status,
+        dir.display()
+    );
+    let wait = Instant::now();
+    loop {
+        let (_, _, h) = http("GET", &format!("{sidecar}/tapline/v1/health"), None)?;
+        if h["spool_records"].as_u64() == Some(0) {
+            break;
+        }
+        ensure!(
+            wait.elapsed() < Duration::from_secs(60),
+            "the sidecar still holds records after 60 s: {h}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(children);
+    let config = dir.join("trainer.toml");
+    std::fs::write(
+        &config,
+        "run = \"vllm-fidelity\"\n[clean]\nmax_seq_len = 1024\n[schedule]\nmicro_batch_tokens = 2048\nmini_batch_episodes = 12\n[train]\nlr = 3e-4\nseed = 0\n[train.lora]\nrank = 16\nalpha = 32\n",
+    )?;
+    let out = dir.join("run");
+    let trained = Command::new(root.join("target/debug/tapline-trainer"))
+        .args(["train", "--store", &store, "--model"])
+        .arg(model)
+        .arg("--out")
+        .arg(&out)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .context("run tapline-trainer train")?;
+    std::fs::write(
+        dir.join("train.log"),
+        [&trained.stdout[..], &trained.stderr[..]].concat(),
+    )?;
+    ensure!(
+        trained.status.success(),
+        "tapline-trainer train on vLLM's records failed (log: {}): {}",
+        dir.join("train.log").display(),
+        String::from_utf8_lossy(&trained.stderr)
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json"))?)?;
+    let t = &manifest["report"]["tokenize"];
+    let f = &manifest["fidelity"];
+    let calls = t["calls"].as_u64().unwrap_or(0);
+    ensure!(calls > 0, "no call trained on: {t}");
+    ensure!(
+        t["prompts_recorded"] == calls && t["prompts_compared"] == calls,
+        "not every call has vLLM's prompt ids compared with the template's: {t}"
+    );
+    ensure!(
+        t["prompt_drift"].as_object().is_some_and(|d| d.is_empty()),
+        "the chat template's prompt ids differ from vLLM's: {t}"
+    );
+    let loss_tokens = manifest["loss_tokens_trained"].as_u64().unwrap_or(0);
+    let epochs = manifest["config"]["train"]["epochs"]
+        .as_u64()
+        .unwrap_or(1)
+        .max(1);
+    ensure!(
+        f["tokens"]
+            .as_u64()
+            .is_some_and(|n| n > 0 && n * epochs == loss_tokens),
+        "the trainer/vLLM log-probs were not compared on every loss token ({loss_tokens} trained over {epochs} epoch(s)): {f}"
+    );
+    ensure!(
+        f["warning"].is_null(),
+        "the trainer's log-probs are too far from vLLM's: {f}"
+    );
+    eprintln!(
+        "xtask: trainer against vLLM on {calls} calls: template ids = vLLM's prompt ids on all; {} loss tokens, mean |Δ log p| {:.4} (max {:.3}), ratio p1/p50/p99 {:.3}/{:.4}/{:.3}, TIS cap {} clips {:.1}%",
+        f["tokens"],
+        f["mean_abs_logprob_gap"].as_f64().unwrap_or(f64::NAN),
+        f["max_abs_logprob_gap"].as_f64().unwrap_or(f64::NAN),
+        f["ratio_quantiles"]["p1"].as_f64().unwrap_or(f64::NAN),
+        f["ratio_quantiles"]["p50"].as_f64().unwrap_or(f64::NAN),
+        f["ratio_quantiles"]["p99"].as_f64().unwrap_or(f64::NAN),
+        f["tis_cap"],
+        f["tis_clipped_share"].as_f64().unwrap_or(0.0) * 100.0,
+    );
+    Ok(())
+}
