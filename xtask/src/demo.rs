@@ -208,6 +208,23 @@ fn dechunk(mut s: &str) -> String {
     out
 }
 
+/// Waits (at most 60 s) until the sidecar at `sidecar` holds no record in its spool:
+/// everything it recorded is in the store.
+pub(crate) fn wait_uploaded(sidecar: &str) -> anyhow::Result<()> {
+    let wait = Instant::now();
+    loop {
+        let (_, _, h) = http("GET", &format!("{sidecar}/tapline/v1/health"), None)?;
+        if h["spool_records"].as_u64() == Some(0) {
+            return Ok(());
+        }
+        ensure!(
+            wait.elapsed() < Duration::from_secs(60),
+            "sidecar still holds records after 60 s: {h}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 pub(crate) fn wait_healthy(
     name: &str,
     url: &str,
@@ -528,18 +545,7 @@ fn run_demo(root: &Path, o: &Options) -> anyhow::Result<()> {
         );
         if k + 1 < o.iterations {
             // Every record uploaded before the trainer reads.
-            let wait = Instant::now();
-            loop {
-                let (_, _, h) = http("GET", &format!("{sidecar}/tapline/v1/health"), None)?;
-                if h["spool_records"].as_u64() == Some(0) {
-                    break;
-                }
-                ensure!(
-                    wait.elapsed() < Duration::from_secs(60),
-                    "sidecar still holds records after 60 s: {h}"
-                );
-                std::thread::sleep(Duration::from_millis(200));
-            }
+            wait_uploaded(&sidecar)?;
             let ckpt = checkpoints.join(format!("iter-{k:03}"));
             let mut train = Command::new(bin("tapline-trainer"));
             train.args(["train", "--store", &store, "--model"]);

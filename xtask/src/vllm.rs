@@ -197,7 +197,7 @@ pub fn fidelity(
     server: &Server,
     served: &str,
 ) -> anyhow::Result<()> {
-    use crate::demo::{Children, free_port, http, sidecar_command, spawn, wait_healthy};
+    use crate::demo::{Children, free_port, sidecar_command, spawn, wait_healthy, wait_uploaded};
     use anyhow::ensure;
     crate::demo::build_binaries(python)?;
     // The harness imports the SDK (`cargo xtask test-vllm` alone may not have it yet).
@@ -247,18 +247,7 @@ pub fn fidelity(
         harness.status,
         dir.display()
     );
-    let wait = Instant::now();
-    loop {
-        let (_, _, h) = http("GET", &format!("{sidecar}/tapline/v1/health"), None)?;
-        if h["spool_records"].as_u64() == Some(0) {
-            break;
-        }
-        ensure!(
-            wait.elapsed() < Duration::from_secs(60),
-            "the sidecar still holds records after 60 s: {h}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_uploaded(&sidecar)?;
     drop(children);
     let config = dir.join("trainer.toml");
     std::fs::write(
