@@ -328,6 +328,20 @@ pub(crate) struct BenchArgs {
     /// estimate exceeds the memory available is reported, not run.
     #[arg(long, value_delimiter = ',', conflicts_with = "seq_len")]
     pub(crate) seq_lens: Vec<usize>,
+    /// A length distribution instead of `--sequences` x `--seq-len`: a comma-separated
+    /// list (4096,512,128) or `agent` (a built-in agent-trace-like mix of 32 sequences,
+    /// 64 to 4,096 tokens). The sequences go into micro-batches of `--micro-batch-tokens`
+    /// as the scheduler packs them; without `--layout`, the step runs padded and packed,
+    /// each in a process of its own, and a table compares them.
+    #[arg(long, conflicts_with_all = ["seq_len", "seq_lens"])]
+    pub(crate) lengths: Option<String>,
+    /// Token budget of a micro-batch with `--lengths` (`[schedule] micro_batch_tokens`).
+    #[arg(long, default_value_t = 4096)]
+    pub(crate) micro_batch_tokens: usize,
+    /// `packed` (one row of sequences end to end, `[train] packing`, the default) or
+    /// `padded` (one right-padded row per sequence).
+    #[arg(long)]
+    pub(crate) layout: Option<String>,
     /// Steps before measuring.
     #[arg(long, default_value_t = 2)]
     pub(crate) warmup: usize,

@@ -64,6 +64,8 @@
 //! kl_coef = 0.0                # KL penalty to the starting weights
 //! logprob_chunk = 1024         # rows of [rows, vocab] fp32 logits at once
 //! recompute = false            # recompute layers in the backward pass (everywhere)
+//! packing = true               # each micro-batch as one row of its sequences end to
+//!                              # end (attention kept inside each): no padding computed
 //! # max_memory = "16GiB"       # the update's memory; micro-batches are split or
 //!                              # recomputed to fit it, or the run fails before a step
 //!                              # (default: 80% of what the process can have, of the

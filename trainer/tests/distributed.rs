@@ -360,6 +360,42 @@ async fn two_ranks_give_the_checkpoint_of_one_process() {
             "{name}: trainer log-probs differ by {worst}"
         );
     }
+    // Two ranks of packed micro-batches (the default) end where one process of padded
+    // ones does, and the manifests count what each layout computed.
+    let padded_config = tmp.path().join("padded.toml");
+    std::fs::write(&padded_config, "[train]\npacking = false\n").unwrap();
+    let padded = tmp.path().join("padded-one");
+    single(&train_args(
+        &store,
+        "padded-one",
+        model.path(),
+        &padded,
+        &["--config", padded_config.to_str().unwrap()],
+    ));
+    let packed = tmp.path().join("sharded-two");
+    let d = max_diff(
+        &padded.join("model.safetensors"),
+        &packed.join("model.safetensors"),
+    );
+    println!("padded on one process vs packed on two ranks: max |Δw| {d:.2e}");
+    assert!(d <= 1e-5, "padded vs packed: max |Δw| {d}");
+    let (m_padded, m_packed) = (
+        read_json(&padded.join("manifest.json")),
+        read_json(&packed.join("manifest.json")),
+    );
+    assert_eq!(m_packed["packing"]["packed"], true);
+    assert_eq!(
+        m_packed["packing"]["padding_tokens"], 0,
+        "{}",
+        m_packed["packing"]
+    );
+    assert_eq!(m_padded["packing"]["packed"], false);
+    assert!(
+        m_padded["packing"]["padding_tokens"].as_u64().unwrap() > 0,
+        "{}",
+        m_padded["packing"]
+    );
+    assert_eq!(m_padded["tokens_trained"], m_packed["tokens_trained"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,7 +147,7 @@ fn adapter_gradients_equal_peft_and_do_not_depend_on_the_split() {
         zero_grads(&model);
         micro_step(
             &model,
-            &gather(&micro(sequences.clone()), Device::Cpu),
+            &gather(&micro(sequences.clone()), Device::Cpu, true),
             None,
             &options,
         );
@@ -183,7 +183,12 @@ fn adapter_gradients_equal_peft_and_do_not_depend_on_the_split() {
             zero_grads(&model);
             for split in [vec![0usize, 2], vec![1], vec![3]] {
                 let part = micro(split.iter().map(|&i| sequences[i].clone()).collect());
-                micro_step(&model, &gather(&part, Device::Cpu), None, &options);
+                micro_step(
+                    &model,
+                    &gather(&part, Device::Cpu, options.packing),
+                    None,
+                    &options,
+                );
             }
             for ((name, w), (_, p)) in whole.iter().zip(grads(&model)) {
                 let diff = w

@@ -81,7 +81,12 @@ fn bf16_updates_follow_the_fp32_run_through_fp32_masters() {
         opt_full.zero_grad();
         opt_half.zero_grad();
         for micro in &batch.micro_batches {
-            train::micro_step(&full, &train::gather(micro, Device::Cpu), None, &options);
+            train::micro_step(
+                &full,
+                &train::gather(micro, Device::Cpu, options.packing),
+                None,
+                &options,
+            );
         }
         // The bf16 parameters' gradients: the fp32 ones, rounded.
         let mut carry = Tensor::zeros([], (Kind::Float, Device::Cpu));

@@ -41,27 +41,33 @@ fn tiny_models_give_the_log_probs_of_transformers() {
             let diff = max_diff(&ours, exp);
             assert!(diff <= TOLERANCE, "{arch} {flags:?}: max |Δ| = {diff:e}");
         }
-        // The padded micro-batch path gives the same numbers for every sequence.
+        // The micro-batch path, packed and padded, gives the same numbers for every
+        // sequence.
         let batch = micro(sequences.iter().map(|ids| seq(ids, 1.0, 1.0)).collect());
-        let g = gather(&batch, Device::Cpu);
-        let lp = Vec::<f32>::try_from(train::micro_logprobs(&model, &g, 7)).unwrap();
-        let flat: Vec<f64> = batch
-            .sequences
-            .iter()
-            .flat_map(|s| {
-                let i = sequences
-                    .iter()
-                    .position(|x| *x == s.sequence.token_ids)
-                    .unwrap();
-                let q = &s.sequence;
-                (1..q.len())
-                    .filter(|&t| q.loss_mask[t] == 1)
-                    .map(|t| expected[i][t - 1])
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let diff = max_diff(&lp, &flat);
-        assert!(diff <= TOLERANCE, "{arch} batched: max |Δ| = {diff:e}");
+        for packed in [true, false] {
+            let g = gather(&batch, Device::Cpu, packed);
+            let lp = Vec::<f32>::try_from(train::micro_logprobs(&model, &g, 7)).unwrap();
+            let flat: Vec<f64> = batch
+                .sequences
+                .iter()
+                .flat_map(|s| {
+                    let i = sequences
+                        .iter()
+                        .position(|x| *x == s.sequence.token_ids)
+                        .unwrap();
+                    let q = &s.sequence;
+                    (1..q.len())
+                        .filter(|&t| q.loss_mask[t] == 1)
+                        .map(|t| expected[i][t - 1])
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let diff = max_diff(&lp, &flat);
+            assert!(
+                diff <= TOLERANCE,
+                "{arch} batched (packed {packed}): max |Δ| = {diff:e}"
+            );
+        }
     }
 }
 
@@ -119,13 +125,18 @@ fn gradients_do_not_depend_on_the_micro_batch_split() {
         ),
     ] {
         zero_grads(&model);
-        let g = gather(&micro(sequences.clone()), Device::Cpu);
+        let g = gather(&micro(sequences.clone()), Device::Cpu, options.packing);
         micro_step(&model, &g, None, &options);
         let whole = grads(&model);
         zero_grads(&model);
         for split in [vec![0usize, 2], vec![1], vec![3]] {
             let part = micro(split.iter().map(|&i| sequences[i].clone()).collect());
-            micro_step(&model, &gather(&part, Device::Cpu), None, &options);
+            micro_step(
+                &model,
+                &gather(&part, Device::Cpu, options.packing),
+                None,
+                &options,
+            );
         }
         let parts = grads(&model);
         let mut largest = 0.0f32;

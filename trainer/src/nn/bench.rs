@@ -133,6 +133,12 @@ pub struct BenchResult {
     pub dtype: String,
     /// Tokens per optimizer step.
     pub tokens_per_step: u64,
+    /// Tokens computed per step, padding included.
+    pub computed_tokens_per_step: u64,
+    /// Whether micro-batches ran packed.
+    pub packed: bool,
+    /// Micro-batches per step.
+    pub micro_batches: usize,
     /// Seconds of each measured step.
     pub step_seconds: Vec<f64>,
     /// Median tokens/s over the measured steps.
@@ -185,8 +191,50 @@ pub struct BenchResult {
     pub estimated_bytes_per_token: f64,
 }
 
+/// A built-in length mix shaped like agent traces: a few long multi-turn episodes beside
+/// many short ones (16,384 tokens in 32 sequences; the longest 4,096).
+pub const AGENT_MIX: &[usize] = &[
+    4096, 2560, 1792, 1280, 1024, 768, 640, 512, 448, 384, 320, 320, 256, 256, 256, 192, 192, 160,
+    160, 128, 128, 128, 96, 96, 96, 96, 64, 64, 64, 64, 64, 64,
+];
+
+/// Lengths from `--lengths`: a comma-separated list, or `agent` ([`AGENT_MIX`]).
+pub fn parse_lengths(spec: &str) -> Result<Vec<usize>, String> {
+    if spec.trim() == "agent" {
+        return Ok(AGENT_MIX.to_vec());
+    }
+    let lengths = spec
+        .split(',')
+        .map(|p| {
+            p.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n >= 2)
+                .ok_or_else(|| {
+                    format!("--lengths: {p:?} is not a length of at least 2 tokens (give e.g. 4096,512,128 or agent)")
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if lengths.is_empty() {
+        return Err("--lengths: give at least one length".into());
+    }
+    Ok(lengths)
+}
+
 /// Random sequences of `seq_len` tokens with loss on their second half.
 pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) -> MiniBatch {
+    synthetic_lengths(vocab, &vec![seq_len; sequences], None, seed)
+}
+
+/// Random sequences of `lengths` with loss on their second half, in micro-batches of at
+/// most `micro_batch_tokens` (the scheduler's packing, `schedule::pack`: longest first,
+/// first fit), or one sequence per micro-batch.
+pub fn synthetic_lengths(
+    vocab: i64,
+    lengths: &[usize],
+    micro_batch_tokens: Option<usize>,
+    seed: u64,
+) -> MiniBatch {
     let mut x = seed | 1;
     let mut next = || {
         x ^= x << 13;
@@ -194,9 +242,11 @@ pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) 
         x ^= x << 17;
         x
     };
-    let total_loss = (sequences * (seq_len - seq_len / 2)) as f64;
+    let sequences = lengths.len();
+    let total_loss = lengths.iter().map(|n| n - n / 2).sum::<usize>() as f64;
     let seqs = (0..sequences)
         .map(|i| {
+            let seq_len = lengths[i];
             let ids: Vec<u32> = (0..seq_len)
                 .map(|_| (next() % vocab as u64) as u32)
                 .collect();
@@ -224,11 +274,15 @@ pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) 
             }
         })
         .collect::<Vec<_>>();
+    let groups = match micro_batch_tokens {
+        Some(budget) => crate::schedule::pack(lengths, budget),
+        None => (0..sequences).map(|i| vec![i]).collect(),
+    };
     MiniBatch {
-        micro_batches: seqs
-            .chunks(1)
-            .map(|c| MicroBatch {
-                sequences: c.to_vec(),
+        micro_batches: groups
+            .into_iter()
+            .map(|g| MicroBatch {
+                sequences: g.into_iter().map(|i| seqs[i].clone()).collect(),
                 recompute: false,
             })
             .collect(),
@@ -241,16 +295,17 @@ pub fn synthetic_batch(vocab: i64, sequences: usize, seq_len: usize, seed: u64) 
     }
 }
 
-/// Runs `warmup + steps` optimizer steps of `sequences × seq_len` tokens each
-/// (one sequence per micro-batch; on a group, the ranks share the micro-batches of each
-/// step, so the tokens per step are the same at every world size).
+/// Runs `warmup + steps` optimizer steps of sequences of `lengths` each, in
+/// micro-batches of `micro_batch_tokens` (one sequence per micro-batch when `None`; on
+/// a group, the ranks share the micro-batches of each step, so the tokens per step are
+/// the same at every world size).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     preset_name: &str,
     device: Device,
     kind: Kind,
-    sequences: usize,
-    seq_len: usize,
+    lengths: &[usize],
+    micro_batch_tokens: Option<usize>,
     warmup: usize,
     steps: usize,
     options: &TrainOptions,
@@ -265,7 +320,13 @@ pub fn run(
         )
     })?;
     let parameters = config.parameters();
-    let fpt = flops_per_token(&config, seq_len as i64, options.lora.is_some());
+    // Attention FLOPs grow with each token's own sequence: the token-weighted mean.
+    let tokens = lengths.iter().sum::<usize>() as u64;
+    let fpt = lengths
+        .iter()
+        .map(|&n| n as f64 * flops_per_token(&config, n as i64, options.lora.is_some()))
+        .sum::<f64>()
+        / tokens.max(1) as f64;
     let mut model = Transformer::random(config, device, kind, options.seed);
     if let Some(lora) = &options.lora {
         lora.validate()?;
@@ -289,25 +350,31 @@ pub fn run(
         .iter()
         .map(|(_, t)| t.numel() as i64)
         .sum();
-    let batch = synthetic_batch(
+    let batch = synthetic_lengths(
         model.config.vocab_size,
-        sequences,
-        seq_len,
+        lengths,
+        micro_batch_tokens,
         options.seed + 1,
     );
-    // The estimate the trainer makes before a run's first step, for one micro-batch of
-    // one sequence.
+    // The estimate the trainer makes before a run's first step, for the largest
+    // micro-batch.
     let mut estimate = super::memory::MemoryModel::new(
         &model.config,
         options.lora.as_ref(),
         if kind == Kind::Float { 4 } else { 2 },
         options.logprob_chunk,
     );
+    estimate.packed = options.packing;
     if !device.is_cuda() {
         estimate.measured_static =
             Some(super::memory::own_rss() + estimate.trainable * estimate.trainable_elem);
     }
-    let micro_shape = super::memory::Shape::of(&batch.micro_batches[0]);
+    let micro_shape = batch
+        .micro_batches
+        .iter()
+        .map(super::memory::Shape::of)
+        .max_by_key(|s| s.computed(options.packing))
+        .unwrap_or_default();
     let micro_estimate = estimate.micro_batch_bytes(micro_shape, options.recompute);
     let static_bytes = estimate.static_bytes();
     let gpu_memory = super::manifest::GpuMemorySampler::start(device);
@@ -341,13 +408,12 @@ pub fn run(
     }
     let gpu_peak = gpu_memory.finish();
     let median_step = median(&times).unwrap_or(f64::NAN);
-    let tokens = (sequences * seq_len) as u64;
     let tps = tokens as f64 / median_step;
     let device_name = super::manifest::device_name(device);
     let peak_rss = super::manifest::peak_rss_bytes();
     let peak = peak.or_else(|| peak_flops(&device_name).filter(|_| device.is_cuda()));
     let peak_bytes = gpu_peak.unwrap_or(peak_rss);
-    let micro_tokens = micro_shape.padded() as f64;
+    let micro_tokens = micro_shape.computed(options.packing) as f64;
     Ok(BenchResult {
         peak_bytes,
         estimated_peak_bytes: static_bytes + micro_estimate,
@@ -359,6 +425,18 @@ pub fn run(
         device: device_name,
         dtype: format!("{kind:?}"),
         tokens_per_step: tokens,
+        computed_tokens_per_step: batch
+            .micro_batches
+            .iter()
+            .map(|m| {
+                super::packing::computed(
+                    m.sequences.iter().map(|s| s.sequence.len()),
+                    options.packing,
+                )
+            })
+            .sum(),
+        packed: options.packing,
+        micro_batches: batch.micro_batches.len(),
         step_seconds: times,
         tokens_per_second: tps,
         flops_per_token: fpt,

@@ -106,6 +106,10 @@ pub struct RunManifest {
     pub loss_tokens_trained: u64,
     /// Tokens run through the model in training steps.
     pub tokens_trained: u64,
+    /// How micro-batches were laid out: `packed` (`[train] packing`), `tokens_computed`
+    /// (padding included) and `padding_tokens` (computed − trained: what the padded
+    /// layout costs, or an empty micro-batch's one token when packed).
+    pub packing: Value,
     /// Per-step metrics.
     pub steps: Vec<StepMetrics>,
     /// Mean importance ratio (trainer / inference) by policy lag (see

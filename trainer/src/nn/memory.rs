@@ -19,7 +19,8 @@
 //! recompute: that layer run again) after it, so only the larger of the two adds.
 //!
 //! with `e` the bytes of the model dtype, `L` layers, `d` the hidden size, `t` the
-//! padded tokens (sequences × the longest: micro-batches are right-padded), `n` the loss
+//! tokens computed (their sum when packed, `[train] packing`; sequences × the longest
+//! when right-padded), `n` the loss
 //! tokens, and `saved` the elements per token one layer keeps for its backward —
 //! counted from the code of [`super::model`]:
 //!
@@ -96,6 +97,9 @@ pub struct MemoryModel {
     /// allocate whatever the tokens (the gradients): [`Self::static_bytes`] is at least
     /// this. It counts what the formula does not: the records read, the tokenizer.
     pub measured_static: Option<u64>,
+    /// Whether micro-batches run packed (`[train] packing`, the default): then a
+    /// micro-batch computes its tokens, else `sequences × longest`.
+    pub packed: bool,
 }
 
 impl MemoryModel {
@@ -152,6 +156,7 @@ impl MemoryModel {
             trainable_elem: if lora.is_some() { 4 } else { elem },
             logprob_chunk: logprob_chunk.max(1) as u64,
             measured_static: None,
+            packed: true,
         }
     }
 
@@ -218,7 +223,7 @@ impl MemoryModel {
     /// between the trunk's forward and its backward, so the peak is what is kept plus
     /// the larger of the head and one layer's backward.
     pub fn micro_batch_bytes(&self, shape: Shape, recompute: bool) -> u64 {
-        let t = shape.padded() as f64 * ACTIVATION_OVERHEAD;
+        let t = shape.computed(self.packed) as f64 * ACTIVATION_OVERHEAD;
         let kept = t * self.kept_per_token(recompute) as f64;
         let layer = t * self.layer_per_token(recompute) as f64;
         (kept + layer.max(self.head_bytes(shape.loss_tokens) as f64)) as u64
@@ -230,8 +235,10 @@ impl MemoryModel {
 pub struct Shape {
     /// Sequences.
     pub sequences: u64,
-    /// The longest sequence (every row is padded to it).
+    /// The longest sequence (every row is padded to it when not packed).
     pub longest: u64,
+    /// Tokens of all its sequences.
+    pub tokens: u64,
     /// Loss tokens.
     pub loss_tokens: u64,
 }
@@ -247,6 +254,7 @@ impl Shape {
                 .map(|s| s.sequence.len() as u64)
                 .max()
                 .unwrap_or(0),
+            tokens: mb.sequences.iter().map(|s| s.sequence.len() as u64).sum(),
             loss_tokens: mb
                 .sequences
                 .iter()
@@ -255,9 +263,18 @@ impl Shape {
         }
     }
 
-    /// Tokens the model runs, padding included.
+    /// Tokens the model runs when the rows are padded.
     pub fn padded(self) -> u64 {
         self.sequences * self.longest.max(1)
+    }
+
+    /// Tokens the model runs, `packed` (`[train] packing`) or padded.
+    pub fn computed(self, packed: bool) -> u64 {
+        if packed {
+            self.tokens.max(1)
+        } else {
+            self.padded()
+        }
     }
 }
 
@@ -389,6 +406,7 @@ pub fn fit(
                 let alone = Shape {
                     sequences: 1,
                     longest: s.sequence.len() as u64,
+                    tokens: s.sequence.len() as u64,
                     loss_tokens: s.sequence.loss_tokens() as u64,
                 };
                 let recompute = if fits(alone, recompute_all) {
@@ -407,6 +425,7 @@ pub fn fit(
                 let joined = |p: &Shape| Shape {
                     sequences: p.sequences + 1,
                     longest: p.longest.max(alone.longest),
+                    tokens: p.tokens + alone.tokens,
                     loss_tokens: p.loss_tokens + alone.loss_tokens,
                 };
                 match pieces

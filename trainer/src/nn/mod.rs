@@ -9,6 +9,9 @@
 //!   `[train] max_memory` (split, recompute, or a clear error before any step);
 //! - [`weights`] — safetensors in (single or sharded, checked) and out;
 //! - [`model`] — [`Transformer`]: Llama / Qwen2 / Qwen3 with HF's conventions;
+//! - [`packing`] — a micro-batch's sequences padded to rows or packed end to end in
+//!   one row (`[train] packing`), with per-token positions;
+//! - [`attention`] — causal attention that keeps each token inside its sequence;
 //! - [`loss`] — PPO / GSPO surrogate with dual clip, truncated IS and KL;
 //! - [`lora`] — LoRA adapters in PEFT's format (settings, directory, attach, merge);
 //! - [`optim`] — AdamW with fp32 moments and fp32 master weights, its saved state,
@@ -18,6 +21,8 @@
 //! - [`train`] — mini-batches from the pipeline → optimizer steps, with metrics;
 //! - [`checkpoint`] — the HF directory a run writes.
 
+#[cfg(feature = "torch")]
+pub mod attention;
 #[cfg(feature = "torch")]
 pub mod bench;
 #[cfg(feature = "torch")]
@@ -39,6 +44,8 @@ pub mod model;
 #[cfg(feature = "torch")]
 pub mod optim;
 pub mod options;
+#[cfg(feature = "torch")]
+pub mod packing;
 pub mod size;
 #[cfg(feature = "torch")]
 pub mod train;

@@ -14,7 +14,9 @@ use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 use super::LoadError;
+use super::attention;
 use super::config::TransformerConfig;
+use super::packing::Layout;
 use super::weights::{Checkpoint, WeightsError};
 
 /// Gives the tensor of a name with a shape (from a checkpoint, or random).
@@ -117,6 +119,15 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// The RoPE tables and the layout of one input, shared by every layer run over it
+/// ([`Transformer::positions`]).
+#[derive(Debug)]
+pub struct Positions {
+    cos: Tensor,
+    sin: Tensor,
+    layout: Layout,
 }
 
 /// The model: configuration, device, dtype and weights.
@@ -303,14 +314,17 @@ impl Layer {
     }
 
     /// One layer over `x` (`[b, t, d]`) at positions with the given `cos`/`sin`
-    /// (`[t, head_dim]`, model dtype). With a cache, appends this step's keys and values
-    /// and attends to everything cached.
+    /// (`[t, head_dim]`, model dtype), its rows laid out as `layout`. With a cache
+    /// (padded rows only), appends this step's keys and values and attends to everything
+    /// cached.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         c: &TransformerConfig,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
+        layout: &Layout,
         cache: Option<&mut (Tensor, Tensor)>,
         past: i64,
     ) -> Tensor {
@@ -352,16 +366,7 @@ impl Layer {
         let k = repeat_kv(&k, n_rep);
         let v = repeat_kv(&v, n_rep);
         let attn = if past == 0 {
-            Tensor::scaled_dot_product_attention::<Tensor>(
-                &q,
-                &k,
-                &v,
-                None,
-                0.0,
-                t > 1,
-                None,
-                false,
-            )
+            attention::causal(&q, &k, &v, layout)
         } else if t == 1 {
             Tensor::scaled_dot_product_attention::<Tensor>(
                 &q, &k, &v, None, 0.0, false, None, false,
@@ -595,11 +600,34 @@ impl Transformer {
 
     /// `cos`, `sin` for positions `start..start+len`, `[len, head_dim]` in the model dtype.
     fn rope(&self, start: i64, len: i64) -> (Tensor, Tensor) {
-        let pos = Tensor::arange_start(start, start + len, (Kind::Int64, self.device))
-            .to_kind(Kind::Float);
+        self.rope_at(&Tensor::arange_start(
+            start,
+            start + len,
+            (Kind::Int64, self.device),
+        ))
+    }
+
+    /// `cos`, `sin` at each position of `positions` (`[t]`, int64), `[t, head_dim]` in
+    /// the model dtype.
+    fn rope_at(&self, positions: &Tensor) -> (Tensor, Tensor) {
+        let pos = positions.to_kind(Kind::Float);
         let freqs = pos.unsqueeze(1).matmul(&self.inv_freq.unsqueeze(0));
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
         (emb.cos().to_kind(self.kind), emb.sin().to_kind(self.kind))
+    }
+
+    /// The positions of an input of `t` columns laid out as `layout`, computed once for
+    /// every layer that runs over it.
+    pub fn positions(&self, layout: &Layout, t: i64) -> Positions {
+        let (cos, sin) = match layout {
+            Layout::Padded => self.rope(0, t),
+            Layout::Packed(_) => self.rope_at(&layout.positions(t, self.device)),
+        };
+        Positions {
+            cos,
+            sin,
+            layout: layout.clone(),
+        }
     }
 
     /// Token embeddings of `ids` (`[b, t]`, int64 on the model's device).
@@ -607,20 +635,38 @@ impl Transformer {
         Tensor::embedding(&self.embed_tokens, ids, -1, false, false)
     }
 
-    /// Runs layers `range` over `x` starting at position `start`.
-    pub fn layers_forward(&self, x: &Tensor, start: i64, range: std::ops::Range<usize>) -> Tensor {
-        let (cos, sin) = self.rope(start, x.size()[1]);
+    /// Runs layers `range` over `x` (`[b, t, d]`) at `positions` (made for its `t`).
+    pub fn layers_forward(
+        &self,
+        x: &Tensor,
+        positions: &Positions,
+        range: std::ops::Range<usize>,
+    ) -> Tensor {
         let mut x = x.shallow_clone();
         for layer in &self.layers[range] {
-            x = layer.forward(&self.config, &x, &cos, &sin, None, 0);
+            x = layer.forward(
+                &self.config,
+                &x,
+                &positions.cos,
+                &positions.sin,
+                &positions.layout,
+                None,
+                0,
+            );
         }
         x
     }
 
-    /// Every layer over `ids` (`[b, t]`), positions from 0: the hidden states before the
-    /// final norm, `[b, t, d]`.
+    /// Every layer over `ids` (`[b, t]`), one sequence per row from position 0: the
+    /// hidden states before the final norm, `[b, t, d]`.
     pub fn trunk(&self, ids: &Tensor) -> Tensor {
-        self.layers_forward(&self.embed(ids), 0, 0..self.layers.len())
+        self.trunk_in(ids, &Layout::Padded)
+    }
+
+    /// Every layer over `ids` (`[b, t]`) laid out as `layout`.
+    pub fn trunk_in(&self, ids: &Tensor, layout: &Layout) -> Tensor {
+        let positions = self.positions(layout, ids.size()[1]);
+        self.layers_forward(&self.embed(ids), &positions, 0..self.layers.len())
     }
 
     /// Runs `ids` (`[b, t]`) through the model with a cache, returning the hidden states
@@ -636,7 +682,15 @@ impl Transformer {
         }
         let mut x = self.embed(ids);
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(&self.config, &x, &cos, &sin, Some(slot), past);
+            x = layer.forward(
+                &self.config,
+                &x,
+                &cos,
+                &sin,
+                &Layout::Padded,
+                Some(slot),
+                past,
+            );
         }
         cache.len += t;
         x

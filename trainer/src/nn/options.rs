@@ -228,6 +228,11 @@ pub struct TrainOptions {
     /// (everywhere; without it, the memory fit turns it on only for the micro-batches
     /// that need it).
     pub recompute: bool,
+    /// Run each micro-batch as one row of its sequences end to end, positions restarting
+    /// at each sequence and attention kept inside it, so the step computes the tokens
+    /// trained and no padding (false: one right-padded row per sequence, compute growing
+    /// with the longest). The loss and gradients are the same either way.
+    pub packing: bool,
     /// The memory the update may use, with a unit (`"16GiB"`, `"20GB"`): before the
     /// first step every micro-batch's peak is estimated and fitted to it (split, or run
     /// with recompute), and a sequence that cannot fit is an error. Default: 80% of the
@@ -278,6 +283,7 @@ impl Default for TrainOptions {
             kl_coef: 0.0,
             logprob_chunk: 1024,
             recompute: false,
+            packing: true,
             max_memory: None,
             dtype: "auto".into(),
             seed: 0,

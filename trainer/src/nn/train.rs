@@ -4,7 +4,9 @@
 //! and accumulate gradients (the pipeline's weights already normalize the whole
 //! mini-batch, so nothing is divided here). For each micro-batch:
 //!
-//! 1. the trunk runs over the right-padded ids (`[b, t]`; causal attention keeps padding
+//! 1. the trunk runs over the ids laid out by [`super::packing`]: packed into one row
+//!    (`[1, Σ len]`, positions restarting at each sequence, attention kept inside each,
+//!    [`super::attention`]) or right-padded (`[b, t]`; causal attention keeps padding
 //!    out of every real position), with a graph, or without one when `recompute` is on
 //!    for the run or for this micro-batch (the memory fit, `nn::memory`; then only each
 //!    layer's input is kept);
@@ -32,6 +34,7 @@ use super::dist::{self, Comm, Optimizer};
 use super::loss::{self, LossStats, TokenInputs};
 use super::model::Transformer;
 use super::optim::{AdamW, learning_rate};
+use super::packing::{Layout, computed, pack};
 use crate::batch::{MicroBatch, MiniBatch};
 use tapline_c10d::{Group, ReduceOp};
 
@@ -94,6 +97,9 @@ pub struct StepMetrics {
     pub loss_tokens: u64,
     /// All tokens run through the model (prompt and completion).
     pub tokens: u64,
+    /// Tokens the model computed, padding included (`tokens` when packed, up to the
+    /// padding of an empty micro-batch).
+    pub computed_tokens: u64,
     /// Sequences.
     pub sequences: u64,
     /// Episodes.
@@ -155,9 +161,13 @@ pub enum TrainError {
 /// One micro-batch as tensors on the model's device.
 #[derive(Debug)]
 pub struct Gathered {
-    /// Right-padded ids `[b, t]`.
+    /// The ids `[rows, t]`: right-padded `[b, t]`, or packed `[1, Σ len]`.
     pub ids: Tensor,
-    /// Row of `[b·t]` whose hidden state predicts each loss token `[n]`.
+    /// How the rows hold the sequences.
+    pub layout: Layout,
+    /// Tokens the model computes (`rows · t`, padding included).
+    pub computed_tokens: u64,
+    /// Row of `[rows·t]` whose hidden state predicts each loss token `[n]`.
     pub rows: Tensor,
     /// The loss tokens `[n]`.
     pub targets: Tensor,
@@ -181,18 +191,15 @@ pub struct Gathered {
     pub recompute: bool,
 }
 
-/// Builds the tensors of a micro-batch. Position `t` (≥ 1) with loss mask 1 is
-/// predicted by row `b·T + t − 1`.
-pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
+/// Builds the tensors of a micro-batch, its sequences `packed` into one row or padded
+/// ([`super::packing`]). Position `j` (≥ 1) of a sequence, with loss mask 1, is
+/// predicted by the hidden state at flat index `start + j − 1`.
+pub fn gather(mb: &MicroBatch, device: Device, packed: bool) -> Gathered {
     let b = mb.sequences.len();
-    let t = mb
-        .sequences
-        .iter()
-        .map(|s| s.sequence.len())
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let mut ids = vec![0i64; b * t];
+    let packing = pack(
+        mb.sequences.iter().map(|s| s.sequence.token_ids.as_slice()),
+        packed,
+    );
     let (mut rows, mut targets, mut adv, mut w, mut inf, mut seq) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
     let mut version = vec![];
@@ -207,14 +214,12 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
                 .and_then(|c| c.policy_version.parse::<i64>().ok())
                 .unwrap_or(-1)
         };
-        for (j, id) in q.token_ids.iter().enumerate() {
-            ids[i * t + j] = i64::from(*id);
-        }
+        let start = packing.starts[i];
         for j in 1..q.len() {
             if q.loss_mask[j] == 0 {
                 continue;
             }
-            rows.push((i * t + j - 1) as i64);
+            rows.push((start + j - 1) as i64);
             targets.push(i64::from(q.token_ids[j]));
             adv.push(s.advantages[j] as f32);
             w.push(s.weights[j] as f32);
@@ -226,7 +231,9 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
     let f = |v: &[f32]| Tensor::from_slice(v).to_device(device);
     let l = |v: &[i64]| Tensor::from_slice(v).to_device(device);
     Gathered {
-        ids: l(&ids).view([b as i64, t as i64]),
+        ids: l(&packing.ids).view([packing.rows as i64, packing.columns as i64]),
+        computed_tokens: packing.computed_tokens(),
+        layout: packing.layout,
         n: rows.len() as i64,
         rows: l(&rows),
         targets: l(&targets),
@@ -245,7 +252,7 @@ pub fn gather(mb: &MicroBatch, device: Device) -> Gathered {
 pub fn micro_logprobs(model: &Transformer, g: &Gathered, chunk: i64) -> Tensor {
     tch::no_grad(|| {
         let d = model.config.hidden_size;
-        let top = model.trunk(&g.ids).reshape([-1, d]);
+        let top = model.trunk_in(&g.ids, &g.layout).reshape([-1, d]);
         let h = top.index_select(0, &g.rows);
         model.head_logprobs(&h, &g.targets, chunk, false).0
     })
@@ -278,20 +285,21 @@ pub fn micro_step_with(
     let chunk = options.logprob_chunk as i64;
     let layers = model.num_layers();
     let recompute = options.recompute || g.recompute;
+    let positions = model.positions(&g.layout, g.ids.size()[1]);
     // 1. trunk
     let mut saved = Vec::new();
     let top = if recompute {
         tch::no_grad(|| {
             let mut x = model.embed(&g.ids);
             for i in 0..layers {
-                let next = model.layers_forward(&x, 0, i..i + 1);
+                let next = model.layers_forward(&x, &positions, i..i + 1);
                 saved.push(x);
                 x = next;
             }
             x
         })
     } else {
-        model.trunk(&g.ids)
+        model.layers_forward(&model.embed(&g.ids), &positions, 0..layers)
     };
     let top_leaf = top.detach().set_requires_grad(true);
     let flat = top_leaf.reshape([-1, d]);
@@ -332,7 +340,7 @@ pub fn micro_step_with(
     if recompute {
         for i in (0..layers).rev() {
             let input = saved[i].detach().set_requires_grad(true);
-            let out = model.layers_forward(&input, 0, i..i + 1);
+            let out = model.layers_forward(&input, &positions, i..i + 1);
             (out * &grad).sum(Kind::Float).backward();
             grad = input.grad();
         }
@@ -355,6 +363,8 @@ pub struct TrainResult {
     pub loss_tokens: u64,
     /// Tokens run through the model in training steps (all epochs).
     pub tokens: u64,
+    /// Tokens computed in those steps, padding included.
+    pub computed_tokens: u64,
     /// Seconds computing the old log-probs.
     pub old_logprob_seconds: f64,
     /// Seconds of the whole update.
@@ -537,7 +547,9 @@ pub fn train_with(
                 .iter()
                 .zip(&mine[k])
                 .map(|(micro, &mine)| {
-                    (compute && mine).then(|| micro_logprobs(model, &gather(micro, device), chunk))
+                    (compute && mine).then(|| {
+                        micro_logprobs(model, &gather(micro, device, options.packing), chunk)
+                    })
                 })
                 .collect(),
         );
@@ -551,6 +563,7 @@ pub fn train_with(
         steps: Vec::new(),
         loss_tokens: 0,
         tokens: 0,
+        computed_tokens: 0,
         old_logprob_seconds,
         seconds: 0.0,
         importance_by_lag: Default::default(),
@@ -566,6 +579,7 @@ pub fn train_with(
             let mut stats = LossStats::default();
             let mut entropy = 0.0;
             let mut tokens = 0;
+            let mut computed_tokens = 0;
             let mut sequences = 0;
             let mut rewards = std::collections::BTreeMap::new();
             for (m, micro) in mb.micro_batches.iter().enumerate() {
@@ -576,6 +590,10 @@ pub fn train_with(
                     .iter()
                     .map(|s| s.sequence.len() as u64)
                     .sum::<u64>();
+                computed_tokens += computed(
+                    micro.sequences.iter().map(|s| s.sequence.len()),
+                    options.packing,
+                );
                 sequences += micro.sequences.len() as u64;
                 for s in &micro.sequences {
                     rewards.insert(s.episode_id.clone(), s.reward);
@@ -583,7 +601,7 @@ pub fn train_with(
                 if !mine[k][m] {
                     continue;
                 }
-                let g = gather(micro, device);
+                let g = gather(micro, device, options.packing);
                 let by_lag = &mut result.importance_by_lag;
                 let recorded = &mut result.old_logprobs;
                 let cap = MAX_RECORDED_LOGPROBS / group.map_or(1, Group::size);
@@ -643,6 +661,7 @@ pub fn train_with(
                 tis_capped_fraction: (inf > 0.0).then(|| stats.tis_capped / inf),
                 loss_tokens: stats.tokens as u64,
                 tokens,
+                computed_tokens,
                 sequences,
                 episodes: rewards.len() as u64,
                 reward_mean: per(rewards.values().sum(), rewards.len() as f64),
@@ -659,6 +678,7 @@ pub fn train_with(
             };
             result.loss_tokens += metrics.loss_tokens;
             result.tokens += tokens;
+            result.computed_tokens += computed_tokens;
             on_step(&metrics);
             result.steps.push(metrics);
             step += 1;

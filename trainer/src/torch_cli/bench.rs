@@ -11,6 +11,17 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
     if !args.seq_lens.is_empty() {
         return bench_memory_table(args);
     }
+    let lengths = match &args.lengths {
+        Some(spec) => nn::bench::parse_lengths(spec).map_err(|e| anyhow::anyhow!(e))?,
+        None => vec![args.seq_len; args.sequences],
+    };
+    let micro_batch_tokens = args.lengths.is_some().then_some(args.micro_batch_tokens);
+    let packing = match args.layout.as_deref() {
+        None if args.lengths.is_some() => return bench_layouts(args, &lengths),
+        None | Some("packed") => true,
+        Some("padded") => false,
+        Some(other) => anyhow::bail!("--layout must be packed or padded, not {other:?}"),
+    };
     let device = nn::parse_device(&args.device)?;
     let kind = nn::parse_dtype(&args.dtype, device)?;
     anyhow::ensure!(args.seq_len >= 2, "--seq-len must be at least 2");
@@ -39,6 +50,7 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
     let options = nn::train::TrainOptions {
         shard_optimizer: !args.replicate_optimizer,
         recompute: args.recompute,
+        packing,
         lora: args.lora.then(|| nn::lora::LoraOptions {
             rank: args.lora_rank,
             alpha: 2.0 * args.lora_rank as f64,
@@ -52,8 +64,8 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
             &args.preset,
             device,
             kind,
-            args.sequences,
-            args.seq_len,
+            &lengths,
+            micro_batch_tokens,
             args.warmup,
             args.steps,
             &options,
@@ -64,8 +76,9 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!(e))?;
         return Ok(());
     }
+    let tokens: usize = lengths.iter().sum();
     println!(
-        "bench-update: {} {} on {} ({kind:?}), {} x {} tokens per step, {} warmup + {} measured steps{}",
+        "bench-update: {} {} on {} ({kind:?}), {} per step, {}, {} warmup + {} measured steps{}",
         args.preset,
         if args.lora {
             format!("LoRA r {}", args.lora_rank)
@@ -73,8 +86,15 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
             "full".into()
         },
         nn::manifest::device_name(device),
-        args.sequences,
-        args.seq_len,
+        match &args.lengths {
+            Some(_) => format!(
+                "{} sequences of {tokens} tokens in micro-batches of {} tokens",
+                lengths.len(),
+                args.micro_batch_tokens
+            ),
+            None => format!("{} x {} tokens", args.sequences, args.seq_len),
+        },
+        if packing { "packed" } else { "padded" },
         args.warmup,
         args.steps,
         if args.recompute { ", recompute" } else { "" }
@@ -83,8 +103,8 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
         &args.preset,
         device,
         kind,
-        args.sequences,
-        args.seq_len,
+        &lengths,
+        micro_batch_tokens,
         args.warmup,
         args.steps,
         &options,
@@ -94,7 +114,7 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
             let tag = if i < args.warmup { "warmup" } else { "step" };
             println!(
                 "  {tag} {i}: {secs:.2}s ({:.0} tok/s)",
-                (args.sequences * args.seq_len) as f64 / secs
+                tokens as f64 / secs
             );
         },
     )
@@ -144,6 +164,86 @@ pub(crate) fn bench_update(args: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bench-update --lengths` without `--layout`: the step padded, then packed, each in a
+/// child process (a peak is a process's), and a table of both.
+fn bench_layouts(args: &BenchArgs, lengths: &[usize]) -> anyhow::Result<()> {
+    let tokens: usize = lengths.iter().sum();
+    println!(
+        "bench-update: {} {} {}, {} sequences of {tokens} tokens (longest {}) in micro-batches of {} tokens, {} warmup + {} measured steps, padded and packed",
+        args.preset,
+        if args.lora { "LoRA" } else { "full" },
+        args.dtype,
+        lengths.len(),
+        lengths.iter().max().unwrap_or(&0),
+        args.micro_batch_tokens,
+        args.warmup,
+        args.steps,
+    );
+    let mut rows = Vec::new();
+    for layout in ["padded", "packed"] {
+        let list: Vec<String> = lengths.iter().map(usize::to_string).collect();
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.args(["bench-update", "--preset", &args.preset])
+            .args(["--device", &args.device, "--dtype", &args.dtype])
+            .args(["--lengths", &list.join(",")])
+            .args(["--micro-batch-tokens", &args.micro_batch_tokens.to_string()])
+            .args(["--layout", layout])
+            .args(["--warmup", &args.warmup.to_string()])
+            .args(["--steps", &args.steps.to_string()])
+            .args(["--lora-rank", &args.lora_rank.to_string()]);
+        if args.lora {
+            cmd.arg("--lora");
+        }
+        if args.recompute {
+            cmd.arg("--recompute");
+        }
+        let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        for line in text.lines().filter(|l| l.starts_with("  ")) {
+            println!("  {layout}:{line}");
+        }
+        let result: Value = text
+            .lines()
+            .last()
+            .and_then(|l| serde_json::from_str(l).ok())
+            .filter(|_| out.status.success())
+            .with_context(|| format!("the {layout} run failed ({}): {text}", out.status))?;
+        rows.push((layout, result));
+    }
+    println!(
+        "| layout | micro-batches | computed / real tokens | median step | tokens/s | peak memory |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let median_step = |r: &Value| {
+        let mut t: Vec<f64> = r["step_seconds"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_f64).collect())
+            .unwrap_or_default();
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    for (layout, r) in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "| {layout} | {} | {:.3} | {:.2} s | {:.0} | {} |",
+            r["micro_batches"],
+            f("computed_tokens_per_step") / f("tokens_per_step"),
+            median_step(r),
+            f("tokens_per_second"),
+            nn::memory::Size(f("peak_bytes") as u64),
+        );
+    }
+    let (padded, packed) = (&rows[0].1, &rows[1].1);
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "bench-update: packed / padded: step time {:.3}, tokens/s {:.2}x, peak memory {:.2}",
+        median_step(packed) / median_step(padded),
+        f(packed, "tokens_per_second") / f(padded, "tokens_per_second"),
+        f(packed, "peak_bytes") / f(padded, "peak_bytes"),
+    );
+    Ok(())
+}
+
 /// `bench-update --seq-lens`: one child process per length (peak memory is per
 /// process), then a table of the measured and estimated peaks.
 fn bench_memory_table(args: &BenchArgs) -> anyhow::Result<()> {
@@ -189,6 +289,7 @@ fn bench_memory_table(args: &BenchArgs) -> anyhow::Result<()> {
         let shape = Shape {
             sequences: 1,
             longest: len as u64,
+            tokens: len as u64,
             loss_tokens: (len - len / 2) as u64,
         };
         let predicted = estimate.static_bytes() + estimate.micro_batch_bytes(shape, args.recompute);

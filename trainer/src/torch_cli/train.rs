@@ -305,6 +305,7 @@ fn fit_memory(
         _ => 2,
     };
     let mut estimate = memory::MemoryModel::new(&model.config, lora, elem, options.logprob_chunk);
+    estimate.packed = options.packing;
     // What is there already (weights, optimizer state, the records read) and the
     // gradients to come; on a GPU only the formula is known.
     if !device.is_cuda() {
@@ -852,6 +853,11 @@ pub(super) fn train_once(
         importance_by_lag: serde_json::to_value(&result.importance_by_lag)?,
         loss_tokens_trained: result.loss_tokens,
         tokens_trained: result.tokens,
+        packing: serde_json::json!({
+            "packed": options.packing,
+            "tokens_computed": result.computed_tokens,
+            "padding_tokens": result.computed_tokens.saturating_sub(result.tokens),
+        }),
         steps: result.steps.clone(),
         compute: nn::manifest::Compute {
             device: args.device.clone(),
