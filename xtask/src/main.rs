@@ -23,6 +23,10 @@
 //!   ratios to the one-rank run.
 //! - `cargo xtask bench-gateway [--baseline PATH]`: the sidecar beside nginx, with wrk
 //!   (see `gateway.rs`).
+//! - `cargo xtask bench-packing [--lengths L --preset P --micro-batch-tokens N --steps N]`:
+//!   the update step on a length mix (default `agent`), padded and packed
+//!   (`bench-update --lengths`), then PyTorch eager + transformers on the same
+//!   micro-batches (`trainer/benches/torch_baseline.py --lengths`), with the ratios;
 //! - `cargo xtask bench-memory`: the peak memory of an update step at 1k–16k tokens,
 //!   LoRA and full, with and without recompute, beside the trainer's estimate.
 //! - `cargo xtask gpu-check [-- bench-update flags]`: on a machine with a GPU, a few
@@ -73,6 +77,9 @@ commands:
   bench-memory peak memory of an update against the trainer's estimate, LoRA and
              full, with and without recompute (flags: --preset P --seq-lens
              1024,2048,... --device D)
+  bench-packing the update step on a length mix, padded vs packed, beside PyTorch
+             eager + transformers on the same micro-batches (flags: --lengths
+             agent|4096,512,... --preset P --micro-batch-tokens N --steps N)
   fuzz       build the fuzz targets and run each (flags: --secs N, default 60;
              --target NAME; --sanitizer address)
   image      build OCI images FROM scratch with podman (names: sidecar trainer
@@ -100,6 +107,7 @@ fn main() -> anyhow::Result<()> {
         Some("gpu-check") => gpu_check(&root, &args[1..]),
         Some("bench-dist") => bench_dist(&root, &args[1..]),
         Some("bench-memory") => bench_memory(&root, &args[1..]),
+        Some("bench-packing") => bench_packing(&root, &args[1..]),
         Some("bench-gateway") => gateway::bench_gateway(&root, &args[1..]),
         Some("fuzz") => {
             let run = fuzz::parse(&args[1..])?;
@@ -316,6 +324,75 @@ fn bench_memory(root: &Path, args: &[String]) -> anyhow::Result<()> {
             run(&mut cmd)
         })?;
     }
+    Ok(())
+}
+
+/// `cargo xtask bench-packing`: `bench-update --lengths` (padded and packed, each in its
+/// own process) and the PyTorch baseline on the same lengths and micro-batches, in one
+/// command, so the ratios compare runs on the same machine at the same time.
+fn bench_packing(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    let flag = |name: &str, default: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .map_or(default.to_owned(), Clone::clone)
+    };
+    let lengths = flag("--lengths", "agent");
+    let preset = flag("--preset", "smollm2-135m");
+    let budget = flag("--micro-batch-tokens", "4096");
+    let steps = flag("--steps", "3");
+    let python = step("python environment (torch)", || ensure_venv(root))?;
+    let trainer = build_release_trainer(root, &python)?;
+    let ours = step(&format!("bench-update --lengths {lengths}"), || {
+        let out = Command::new(&trainer)
+            .args(["bench-update", "--preset", &preset, "--device", "cpu"])
+            .args(["--lengths", &lengths, "--micro-batch-tokens", &budget])
+            .args(["--warmup", "1", "--steps", &steps])
+            .stderr(std::process::Stdio::inherit())
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        print!("{text}");
+        anyhow::ensure!(out.status.success(), "bench-update failed: {}", out.status);
+        Ok(text)
+    })?;
+    anyhow::ensure!(
+        preset == "smollm2-135m",
+        "the PyTorch baseline builds SmolLM2-135M's shape only; run --preset smollm2-135m for the comparison"
+    );
+    let theirs = step("PyTorch eager + transformers on the same lengths", || {
+        let out = Command::new(&python)
+            .arg(root.join("trainer/benches/torch_baseline.py"))
+            .args(["--lengths", &lengths, "--micro-batch-tokens", &budget])
+            .args(["--warmup", "1", "--steps", &steps])
+            .stderr(std::process::Stdio::inherit())
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        print!("{text}");
+        anyhow::ensure!(out.status.success(), "the baseline failed: {}", out.status);
+        Ok(text)
+    })?;
+    // "| padded | 9 | 1.683 | 12.34 s | ..." and "... median step 10.00 s, ..."
+    let our_step = |layout: &str| {
+        ours.lines()
+            .find(|l| l.starts_with(&format!("| {layout} |")))
+            .and_then(|l| l.split('|').nth(4))
+            .and_then(|c| c.trim().trim_end_matches(" s").parse::<f64>().ok())
+    };
+    let their_step = theirs
+        .lines()
+        .find_map(|l| l.split("median step ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|x| x.parse::<f64>().ok());
+    let (Some(padded), Some(packed), Some(torch)) =
+        (our_step("padded"), our_step("packed"), their_step)
+    else {
+        bail!("could not read the median step times from the output above");
+    };
+    println!(
+        "bench-packing: median step: tapline packed {packed:.2} s, tapline padded {padded:.2} s, PyTorch eager + transformers (padded) {torch:.2} s; PyTorch / tapline packed {:.2}x, PyTorch / tapline padded {:.2}x",
+        torch / packed,
+        torch / padded
+    );
     Ok(())
 }
 
