@@ -329,8 +329,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_delimiter = ',', conflicts_with = "seq_len")]
     pub(crate) seq_lens: Vec<usize>,
     /// A length distribution instead of `--sequences` x `--seq-len`: a comma-separated
-    /// list (4096,512,128) or `agent` (a built-in agent-trace-like mix of 32 sequences,
-    /// 64 to 4,096 tokens). The sequences go into micro-batches of `--micro-batch-tokens`
+    /// list (4096,512,128) or `agent` (a built-in agent-trace-like mix of 16 sequences,
+    /// 40 to 512 tokens). The sequences go into micro-batches of `--micro-batch-tokens`
     /// as the scheduler packs them; without `--layout`, the step runs padded and packed,
     /// each in a process of its own, and a table compares them.
     #[arg(long, conflicts_with_all = ["seq_len", "seq_lens"])]

@@ -339,8 +339,8 @@ fn bench_packing(root: &Path, args: &[String]) -> anyhow::Result<()> {
     };
     let lengths = flag("--lengths", "agent");
     let preset = flag("--preset", "smollm2-135m");
-    let budget = flag("--micro-batch-tokens", "4096");
-    let steps = flag("--steps", "3");
+    let budget = flag("--micro-batch-tokens", "1024");
+    let steps = flag("--steps", "2");
     let python = step("python environment (torch)", || ensure_venv(root))?;
     let trainer = build_release_trainer(root, &python)?;
     let ours = step(&format!("bench-update --lengths {lengths}"), || {

@@ -191,11 +191,12 @@ pub struct BenchResult {
     pub estimated_bytes_per_token: f64,
 }
 
-/// A built-in length mix shaped like agent traces: a few long multi-turn episodes beside
-/// many short ones (16,384 tokens in 32 sequences; the longest 4,096).
+/// A built-in length mix shaped like agent traces, scaled to what a CPU step runs in
+/// seconds: a few long multi-turn episodes beside many short ones (2,048 tokens in 16
+/// sequences, 40 to 512; real traces run 8–30k beside a few hundred, where padding costs
+/// more).
 pub const AGENT_MIX: &[usize] = &[
-    4096, 2560, 1792, 1280, 1024, 768, 640, 512, 448, 384, 320, 320, 256, 256, 256, 192, 192, 160,
-    160, 128, 128, 128, 96, 96, 96, 96, 64, 64, 64, 64, 64, 64,
+    512, 320, 224, 160, 128, 112, 96, 80, 64, 64, 64, 48, 48, 48, 40, 40,
 ];
 
 /// Lengths from `--lengths`: a comma-separated list, or `agent` ([`AGENT_MIX`]).
