@@ -10,13 +10,15 @@
 //!    out of every real position), with a graph, or without one when `recompute` is on
 //!    for the run or for this micro-batch (the memory fit, `nn::memory`; then only each
 //!    layer's input is kept);
-//! 2. the hidden states of the positions that predict a loss token are gathered, and the
-//!    head (final norm + `lm_head` + log-softmax) runs over them `logprob_chunk` rows at
-//!    a time without a graph, giving the log-probs and the entropy;
-//! 3. the loss ([`super::loss`]) is built on those log-probs as a leaf; its backward
-//!    gives `∂L/∂lp` per token;
-//! 4. the head runs again chunk by chunk with a graph, and `Σ lp·∂L/∂lp` is
-//!    back-propagated per chunk, so at most one chunk's `[rows, vocab]` fp32 logits exist;
+//! 2. the hidden states of the positions that predict a loss token are gathered;
+//! 3. with a token-level loss (PPO / GRPO / DAPO), the head (final norm + `lm_head` +
+//!    log-softmax) runs over them `logprob_chunk` rows at a time with a graph, and each
+//!    chunk's loss ([`super::loss`]: each token's term needs only its own log-prob) is
+//!    back-propagated at once, so at most one chunk's `[rows, vocab]` fp32 logits exist;
+//! 4. with GSPO (a sequence's tokens share its ratio) the head runs first without a
+//!    graph for every log-prob and the entropy, the loss is built on those as a leaf and
+//!    its backward gives `∂L/∂lp` per token, then the head runs again chunk by chunk with
+//!    a graph and `Σ lp·∂L/∂lp` is back-propagated per chunk;
 //! 5. the gradient reaching the trunk's output is back-propagated through the trunk, or,
 //!    with `recompute`, layer by layer from the top, each layer recomputed from its saved
 //!    input.
@@ -34,6 +36,7 @@ use super::dist::{self, Comm, Optimizer};
 use super::loss::{self, LossStats, TokenInputs};
 use super::model::Transformer;
 use super::optim::{AdamW, learning_rate};
+use super::options::PolicyLoss;
 use super::packing::{Layout, computed, pack};
 use crate::batch::{MicroBatch, MiniBatch};
 use tapline_c10d::{Group, ReduceOp};
@@ -282,7 +285,6 @@ pub fn micro_step_with(
         return (LossStats::default(), 0.0);
     }
     let d = model.config.hidden_size;
-    let chunk = options.logprob_chunk as i64;
     let layers = model.num_layers();
     let recompute = options.recompute || g.recompute;
     let positions = model.positions(&g.layout, g.ids.size()[1]);
@@ -303,6 +305,44 @@ pub fn micro_step_with(
     };
     let top_leaf = top.detach().set_requires_grad(true);
     let flat = top_leaf.reshape([-1, d]);
+    let (stats, entropy_sum) = if options.policy_loss == PolicyLoss::Ppo {
+        head_one_pass(model, g, &flat, old, options, on_old)
+    } else {
+        head_two_passes(model, g, &flat, old, options, on_old)
+    };
+    // 5. trunk
+    let mut grad = top_leaf.grad();
+    if recompute {
+        for i in (0..layers).rev() {
+            let input = saved[i].detach().set_requires_grad(true);
+            let out = model.layers_forward(&input, &positions, i..i + 1);
+            (out * &grad).sum(Kind::Float).backward();
+            grad = input.grad();
+        }
+        let embedded = model.embed(&g.ids);
+        if embedded.requires_grad() {
+            (embedded * &grad).sum(Kind::Float).backward();
+        }
+    } else {
+        (top * &grad).sum(Kind::Float).backward();
+    }
+    (stats, entropy_sum)
+}
+
+/// Phases 2–4 for a loss that couples tokens (GSPO's sequence ratio): the head without a
+/// graph for every loss token's log-prob, the loss on those as a leaf, then the head
+/// again chunk by chunk with a graph, back-propagating `Σ lp·∂L/∂lp`. Returns the loss
+/// statistics and the summed entropy; the gradient reaching the trunk is in `flat`'s
+/// leaf.
+fn head_two_passes(
+    model: &Transformer,
+    g: &Gathered,
+    flat: &Tensor,
+    old: Option<&Tensor>,
+    options: &TrainOptions,
+    on_old: impl FnOnce(&Tensor),
+) -> (LossStats, f64) {
+    let chunk = options.logprob_chunk as i64;
     // 2. head without a graph
     let (lp, entropy) = tch::no_grad(|| {
         let h = flat.index_select(0, &g.rows);
@@ -335,22 +375,54 @@ pub fn micro_step_with(
             .backward();
         start += len;
     }
-    // 5. trunk
-    let mut grad = top_leaf.grad();
-    if recompute {
-        for i in (0..layers).rev() {
-            let input = saved[i].detach().set_requires_grad(true);
-            let out = model.layers_forward(&input, &positions, i..i + 1);
-            (out * &grad).sum(Kind::Float).backward();
-            grad = input.grad();
-        }
-        let embedded = model.embed(&g.ids);
-        if embedded.requires_grad() {
-            (embedded * &grad).sum(Kind::Float).backward();
-        }
-    } else {
-        (top * &grad).sum(Kind::Float).backward();
+    (stats, entropy_sum)
+}
+
+/// Phases 2–4 for a token-level loss (PPO / GRPO / DAPO: each token's term depends on
+/// its own log-prob only): one pass of the head, chunk by chunk with a graph, each
+/// chunk's loss back-propagated at once, so the head runs forward once instead of twice
+/// and at most one chunk's `[rows, vocab]` logits exist. The loss and its gradient are
+/// those of [`head_two_passes`] (the sum over chunks of the same per-token terms).
+fn head_one_pass(
+    model: &Transformer,
+    g: &Gathered,
+    flat: &Tensor,
+    old: Option<&Tensor>,
+    options: &TrainOptions,
+    on_old: impl FnOnce(&Tensor),
+) -> (LossStats, f64) {
+    let chunk = options.logprob_chunk as i64;
+    let loss_options = options.loss();
+    let mut stats = LossStats::default();
+    let mut entropy_sum = 0.0;
+    let mut olds = Vec::new();
+    let mut start = 0;
+    while start < g.n {
+        let len = chunk.min(g.n - start);
+        let h = flat.index_select(0, &g.rows.narrow(0, start, len));
+        let logp = model.logits(&h).log_softmax(-1, Kind::Float);
+        let targets = g.targets.narrow(0, start, len).unsqueeze(1);
+        let lp = logp.gather(1, &targets, false).squeeze_dim(1);
+        entropy_sum += tch::no_grad(|| {
+            let l = logp.detach();
+            -(l.exp() * &l).sum(Kind::Float).double_value(&[])
+        });
+        let old = old.map_or_else(|| lp.detach(), |o| o.narrow(0, start, len));
+        let inputs = TokenInputs {
+            old: &old,
+            inference: &g.inference.narrow(0, start, len),
+            advantages: &g.advantages.narrow(0, start, len),
+            weights: &g.weights.narrow(0, start, len),
+            sequence: &g.sequence.narrow(0, start, len),
+            sequences: g.sequences,
+        };
+        let (loss, s) = loss::policy_loss(&lp, &inputs, &loss_options);
+        loss.backward();
+        stats.merge(&s);
+        olds.push(old);
+        start += len;
     }
+    on_old(&Tensor::cat(&olds, 0));
     (stats, entropy_sum)
 }
 

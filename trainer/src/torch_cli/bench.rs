@@ -211,9 +211,9 @@ fn bench_layouts(args: &BenchArgs, lengths: &[usize]) -> anyhow::Result<()> {
         rows.push((layout, result));
     }
     println!(
-        "| layout | micro-batches | computed / real tokens | median step | tokens/s | peak memory |"
+        "| layout | micro-batches | computed / real tokens | median step | tokens/s | peak memory | estimated peak |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     let median_step = |r: &Value| {
         let mut t: Vec<f64> = r["step_seconds"]
             .as_array()
@@ -225,12 +225,13 @@ fn bench_layouts(args: &BenchArgs, lengths: &[usize]) -> anyhow::Result<()> {
     for (layout, r) in &rows {
         let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
         println!(
-            "| {layout} | {} | {:.3} | {:.2} s | {:.0} | {} |",
+            "| {layout} | {} | {:.3} | {:.2} s | {:.0} | {} | {} |",
             r["micro_batches"],
             f("computed_tokens_per_step") / f("tokens_per_step"),
             median_step(r),
             f("tokens_per_second"),
             nn::memory::Size(f("peak_bytes") as u64),
+            nn::memory::Size(f("estimated_peak_bytes") as u64),
         );
     }
     let (padded, packed) = (&rows[0].1, &rows[1].1);
