@@ -341,3 +341,73 @@ fn sequences_without_loss_tokens_change_nothing() {
     let g = gather(&empty, Device::Cpu, true);
     assert_eq!((g.n, g.computed_tokens), (0, 1));
 }
+
+/// The head's one pass (token-level losses) against its two passes (GSPO): with one loss
+/// token per sequence GSPO's sequence ratio is the token's ratio, so the two losses are
+/// the same function and give the same loss, log-probs and gradients, across chunks of
+/// 2 rows, with the dual clip, the KL term and truncated importance sampling.
+#[test]
+fn the_heads_one_pass_equals_its_two_passes() {
+    let mut m = model(Arch::Qwen3, Kind::Float, false);
+    m.set_requires_grad(true);
+    let vocab = m.config.vocab_size as u32;
+    let mut micro = micro_batch(vocab, &[30, 9, 17, 4, 22], 61);
+    for s in &mut micro.sequences {
+        let n = s.sequence.len();
+        s.sequence.loss_mask = (0..n).map(|j| u8::from(j == n - 1)).collect();
+        s.advantages = s
+            .sequence
+            .loss_mask
+            .iter()
+            .map(|&x| f64::from(x) * s.reward)
+            .collect();
+        s.weights = s
+            .sequence
+            .loss_mask
+            .iter()
+            .map(|&x| f64::from(x) * 0.2)
+            .collect();
+    }
+    // Old log-probs a little off the current ones, so ratios, clips and KL are not trivial.
+    let g = gather(&micro, Device::Cpu, true);
+    let old = micro_logprobs(&m, &g, 1024) + Tensor::from_slice(&[0.3f32, -0.25, 0.1, -0.4, 0.2]);
+    let run = |policy_loss| {
+        for (_, mut t) in m.trainable_parameters() {
+            t.zero_grad();
+        }
+        let options = TrainOptions {
+            policy_loss,
+            logprob_chunk: 2,
+            dual_clip: 3.0,
+            kl_coef: 0.1,
+            ..TrainOptions::default()
+        };
+        let (stats, entropy) = micro_step_with(&m, &g, Some(&old), &options, |_| {});
+        let grads: Vec<Tensor> = m
+            .trainable_parameters()
+            .into_iter()
+            .map(|(_, t)| t.grad().copy())
+            .collect();
+        (stats, entropy, grads)
+    };
+    let (ppo, e_ppo, g_ppo) = run(PolicyLoss::Ppo);
+    let (gspo, e_gspo, g_gspo) = run(PolicyLoss::Gspo);
+    assert_eq!(ppo.tokens, 5.0);
+    assert!(
+        (ppo.loss - gspo.loss).abs() < 1e-7,
+        "{} vs {}",
+        ppo.loss,
+        gspo.loss
+    );
+    assert!((e_ppo - e_gspo).abs() < 1e-4, "{e_ppo} vs {e_gspo}");
+    assert!(ppo.clipped > 0.0 || ppo.ratio_max > 1.0, "{ppo:?}");
+    assert_eq!(ppo.clipped, gspo.clipped);
+    assert!((ppo.kl_sum - gspo.kl_sum).abs() < 1e-7);
+    let mut largest = 0.0f64;
+    for (a, b) in g_ppo.iter().zip(&g_gspo) {
+        let d = (a - b).abs().max().double_value(&[]);
+        assert!(d <= 1e-7, "gradients differ by {d}");
+        largest = largest.max(a.abs().max().double_value(&[]));
+    }
+    assert!(largest > 1e-5);
+}
