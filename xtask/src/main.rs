@@ -341,6 +341,10 @@ fn bench_packing(root: &Path, args: &[String]) -> anyhow::Result<()> {
     let preset = flag("--preset", "smollm2-135m");
     let budget = flag("--micro-batch-tokens", "1024");
     let steps = flag("--steps", "2");
+    anyhow::ensure!(
+        preset == "smollm2-135m",
+        "the PyTorch baseline builds SmolLM2-135M's shape only; run --preset smollm2-135m for the comparison"
+    );
     let python = step("python environment (torch)", || ensure_venv(root))?;
     let trainer = build_release_trainer(root, &python)?;
     let ours = step(&format!("bench-update --lengths {lengths}"), || {
@@ -355,10 +359,6 @@ fn bench_packing(root: &Path, args: &[String]) -> anyhow::Result<()> {
         anyhow::ensure!(out.status.success(), "bench-update failed: {}", out.status);
         Ok(text)
     })?;
-    anyhow::ensure!(
-        preset == "smollm2-135m",
-        "the PyTorch baseline builds SmolLM2-135M's shape only; run --preset smollm2-135m for the comparison"
-    );
     let theirs = step("PyTorch eager + transformers on the same lengths", || {
         let out = Command::new(&python)
             .arg(root.join("trainer/benches/torch_baseline.py"))

@@ -4,7 +4,8 @@
 //!
 //! Model FLOPs per trained token follow PaLM (appendix B): `6·N + 12·L·H·Q·T`, with `N`
 //! the parameters outside the embedding lookup (the LM head counts), `L` layers, `H`
-//! heads, `Q` head width and `T` the sequence length. The update really does a little
+//! heads, `Q` head width and `T` the sequence length (with mixed lengths, each token's
+//! own, averaged over the tokens). The update really does a little
 //! more (with GSPO the head runs twice, see `nn::train`), which MFU does not credit.
 
 use std::time::Instant;

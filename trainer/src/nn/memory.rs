@@ -20,9 +20,8 @@
 //!
 //! with `e` the bytes of the model dtype, `L` layers, `d` the hidden size, `t` the
 //! tokens computed (their sum when packed, `[train] packing`; sequences × the longest
-//! when right-padded), `n` the loss
-//! tokens, and `saved` the elements per token one layer keeps for its backward —
-//! counted from the code of [`super::model`]:
+//! when right-padded), `n` the loss tokens, and `saved` the elements per token one
+//! layer keeps for its backward — counted from the code of [`super::model`]:
 //!
 //! | tensor | elements per token |
 //! |---|---|
@@ -189,7 +188,7 @@ impl MemoryModel {
         self.saved_per_layer() * self.elem * if recompute { 2 } else { 1 }
     }
 
-    /// Bytes per (padded) token of a micro-batch's activations, the head left out.
+    /// Bytes per computed token of a micro-batch's activations, the head left out.
     pub fn per_token(&self, recompute: bool) -> u64 {
         let bytes = self.kept_per_token(recompute) + self.layer_per_token(recompute);
         (bytes as f64 * ACTIVATION_OVERHEAD) as u64
@@ -342,7 +341,7 @@ pub struct FitReport {
     pub budget_source: String,
     /// Weights, gradients, optimizer state and runtime.
     pub static_bytes: u64,
-    /// Activation bytes per padded token without recompute.
+    /// Activation bytes per computed token without recompute.
     pub bytes_per_token: u64,
     /// With recompute.
     pub bytes_per_token_recompute: u64,
